@@ -1,0 +1,319 @@
+"""Packed token datasets and the memory-mapped ``.bin`` + ``.json`` pre-tokenized format.
+
+Documents are tokenised, each followed by the tokenizer's eos id, concatenated and cut into samples of
+``seq_len + 1`` tokens with stride ``seq_len`` (consecutive samples share one boundary token, as in nanoGPT
+and Megatron): sample ``i`` is ``tokens[i*S : i*S + S + 1]``, its input is ``[:-1]`` and its target ``[1:]``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from filelock import FileLock
+
+from megazero.data.corpus import corpus_fingerprint, expand_paths, read_text_documents, stdlib_corpus_files
+from megazero.data.tokenizer import Tokenizer, load_or_train_tokenizer
+
+__all__ = [
+    "FORMAT_VERSION",
+    "TokenDataset",
+    "build_datasets",
+    "default_cache_dir",
+    "open_token_file",
+    "read_token_meta",
+    "resolve_tokenizer",
+    "token_dtype",
+    "tokenize_documents",
+    "write_token_file",
+]
+
+FORMAT_VERSION = 1
+
+
+def default_cache_dir() -> Path:
+    """Cache root: ``$MEGAZERO_CACHE`` if set, else ``~/.cache/megazero``."""
+    env = os.environ.get("MEGAZERO_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "megazero"
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """Smallest storage type for token ids: uint16 when ``vocab_size <= 65535``, else uint32."""
+    return np.dtype(np.uint16 if vocab_size <= 65535 else np.uint32)
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Map-style dataset of packed samples over a 1-D token array (in memory or memory-mapped).
+
+    ``dataset[i]`` is a ``torch.LongTensor`` of shape ``[seq_len + 1]``; there are
+    ``(num_tokens - 1) // seq_len`` samples.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
+        if seq_len <= 0:
+            raise ValueError(f"--seq-len must be positive, got {seq_len}")
+        if tokens.ndim != 1:
+            raise ValueError(f"TokenDataset needs a 1-D token array, got shape {tokens.shape}")
+        self.tokens = tokens
+        self.seq_len = seq_len
+
+    @property
+    def num_tokens(self) -> int:
+        """Length of the underlying token array."""
+        return int(self.tokens.shape[0])
+
+    def __len__(self) -> int:
+        return max(0, (self.num_tokens - 1) // self.seq_len)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        n = len(self)
+        i = int(index)
+        if not -n <= i < n:
+            raise IndexError(f"sample index {index} out of range for a dataset of {n} samples")
+        start = (i % n) * self.seq_len
+        return torch.from_numpy(np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64))
+
+    def __repr__(self) -> str:
+        return f"TokenDataset(samples={len(self)}, seq_len={self.seq_len}, tokens={self.num_tokens})"
+
+
+def tokenize_documents(
+    documents: Iterable[str], tokenizer: Tokenizer, batch_size: int = 256, num_threads: int = 1
+) -> Iterator[np.ndarray]:
+    """Yield one int64 array per batch of documents: each document's ids followed by ``tokenizer.eos_id``."""
+    eos = tokenizer.eos_id
+    batch: list[str] = []
+
+    def flush() -> np.ndarray:
+        ids: list[int] = []
+        for doc_ids in tokenizer.encode_batch(batch, num_threads=num_threads):
+            ids.extend(doc_ids)
+            ids.append(eos)
+        return np.asarray(ids, dtype=np.int64)
+
+    for doc in documents:
+        batch.append(doc)
+        if len(batch) >= batch_size:
+            yield flush()
+            batch = []
+    if batch:
+        yield flush()
+
+
+def _prefix(path_prefix: str | os.PathLike[str]) -> Path:
+    p = Path(path_prefix)
+    return p.with_suffix("") if p.suffix in (".bin", ".json") else p
+
+
+def _with(prefix: Path, suffix: str) -> Path:
+    return prefix.parent / (prefix.name + suffix)
+
+
+def write_token_file(
+    path_prefix: str | os.PathLike[str], token_iter: Iterable[Sequence[int] | np.ndarray],
+    dtype: np.dtype | type | str, *, vocab_size: int, tokenizer_fingerprint: str | None = None,
+    tokenizer_model: str | None = None, extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Stream token chunks into ``PREFIX.bin`` (raw array) and write the ``PREFIX.json`` sidecar; return it.
+
+    Both files are written to temporaries and renamed into place, the sidecar last, so a reader that
+    finds the sidecar finds a complete ``.bin``. ``extra`` holds more sidecar keys; it is read after the
+    tokens are streamed, so a caller may fill in counts (e.g. documents) while ``token_iter`` runs.
+
+    Raises:
+        ValueError: if a token id does not fit ``dtype`` or is not below ``vocab_size``.
+    """
+    prefix = _prefix(path_prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    np_dtype = np.dtype(dtype)
+    limit = min(vocab_size, np.iinfo(np_dtype).max + 1)
+    num_tokens = 0
+    fd, tmp_bin = tempfile.mkstemp(prefix=prefix.name + ".", suffix=".bin.tmp", dir=prefix.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for chunk in token_iter:
+                arr = np.asarray(chunk, dtype=np.int64)
+                if arr.size and (arr.min() < 0 or arr.max() >= limit):
+                    raise ValueError(
+                        f"token id out of range [0, {limit}) for vocab_size={vocab_size}, dtype={np_dtype.name}"
+                    )
+                f.write(arr.astype(np_dtype).tobytes())
+                num_tokens += int(arr.size)
+        meta: dict[str, Any] = {
+            "format_version": FORMAT_VERSION, "dtype": np_dtype.name, "num_tokens": num_tokens,
+            "vocab_size": vocab_size, "tokenizer_fingerprint": tokenizer_fingerprint,
+            "tokenizer_model": tokenizer_model, **(extra or {}),
+        }
+        _with(prefix, ".json").unlink(missing_ok=True)  # never pair an old sidecar with the new .bin
+        os.chmod(tmp_bin, 0o644)
+        os.replace(tmp_bin, _with(prefix, ".bin"))
+    finally:
+        if os.path.exists(tmp_bin):
+            os.unlink(tmp_bin)
+    fd, tmp_json = tempfile.mkstemp(prefix=prefix.name + ".", suffix=".json.tmp", dir=prefix.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(meta, f, indent=2)
+    os.chmod(tmp_json, 0o644)
+    os.replace(tmp_json, _with(prefix, ".json"))
+    return meta
+
+
+def read_token_meta(path_prefix: str | os.PathLike[str]) -> dict[str, Any]:
+    """The sidecar of a token file (``PREFIX.json``), validated.
+
+    Raises:
+        ValueError: naming the file when the sidecar is missing, of another format version or inconsistent
+            with the ``.bin`` size.
+    """
+    prefix = _prefix(path_prefix)
+    sidecar, binary = _with(prefix, ".json"), _with(prefix, ".bin")
+    if not sidecar.is_file() or not binary.is_file():
+        raise ValueError(
+            f"token file {str(binary)!r} needs both .bin and .json sidecar; create them with "
+            "tools/preprocess_data.py"
+        )
+    with open(sidecar) as f:
+        meta = json.load(f)
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{sidecar}: format_version {meta.get('format_version')!r} is not {FORMAT_VERSION}; "
+            "re-run tools/preprocess_data.py"
+        )
+    expected = int(meta["num_tokens"]) * np.dtype(meta["dtype"]).itemsize
+    if binary.stat().st_size != expected:
+        raise ValueError(f"{binary}: size {binary.stat().st_size} bytes, sidecar promises {expected}; file is corrupt")
+    return meta
+
+
+def open_token_file(path_prefix: str | os.PathLike[str]) -> np.ndarray:
+    """Memory-map the token array of ``PREFIX.bin`` read-only (an empty array for an empty file)."""
+    meta = read_token_meta(path_prefix)
+    dtype = np.dtype(meta["dtype"])
+    if int(meta["num_tokens"]) == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(_with(_prefix(path_prefix), ".bin"), dtype=dtype, mode="r")
+
+
+def _check_bin_tokenizer(path: str, meta: dict[str, Any], tokenizer: Tokenizer) -> None:
+    if int(meta["vocab_size"]) != tokenizer.vocab_size:
+        raise ValueError(
+            f"{path} was tokenised with vocab_size {meta['vocab_size']} but the tokenizer has "
+            f"{tokenizer.vocab_size}; pass the matching --tokenizer/--vocab-size or re-run tools/preprocess_data.py"
+        )
+    fp = meta.get("tokenizer_fingerprint")
+    if fp and fp != tokenizer.fingerprint:
+        raise ValueError(
+            f"{path} was tokenised with a different tokenizer ({meta.get('tokenizer_model')}, fingerprint "
+            f"{fp[:16]}) than {tokenizer.model_path} ({tokenizer.fingerprint[:16]}); pass --tokenizer "
+            f"{meta.get('tokenizer_model')} or re-run tools/preprocess_data.py"
+        )
+
+
+def _cached_tokens(name: str, files: list[Path], tokenizer: Tokenizer, cache_dir: Path) -> np.ndarray:
+    key = f"{name}_{corpus_fingerprint(files)[:16]}_{tokenizer.fingerprint[:16]}"
+    prefix = cache_dir / "tokens" / key
+    if not _with(prefix, ".json").is_file():
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(prefix) + ".lock"):
+            if not _with(prefix, ".json").is_file():
+                chunks = tokenize_documents(read_text_documents(files), tokenizer, num_threads=os.cpu_count() or 1)
+                write_token_file(
+                    prefix, chunks, token_dtype(tokenizer.vocab_size), vocab_size=tokenizer.vocab_size,
+                    tokenizer_fingerprint=tokenizer.fingerprint, tokenizer_model=str(tokenizer.model_path),
+                    extra={"documents": len(files)},
+                )
+    return open_token_file(prefix)
+
+
+def _load_tokens(paths: Sequence[str | os.PathLike[str]], tokenizer: Tokenizer, cache_dir: Path) -> np.ndarray:
+    if not paths:
+        return _cached_tokens("stdlib", stdlib_corpus_files(), tokenizer, cache_dir)
+    bins = [str(p) for p in paths if str(p).endswith(".bin")]
+    if bins and len(bins) != len(paths):
+        raise ValueError("--data-path: mix of pre-tokenized .bin files and text/JSONL paths; use one kind")
+    if not bins:
+        files = expand_paths(paths)
+        if not files:
+            raise ValueError(f"--data-path {[str(p) for p in paths]} contains no files")
+        return _cached_tokens("text", files, tokenizer, cache_dir)
+    arrays = []
+    for path in bins:
+        _check_bin_tokenizer(path, read_token_meta(path), tokenizer)
+        arrays.append(open_token_file(path))
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+
+def build_datasets(
+    paths: Sequence[str | os.PathLike[str]], tokenizer: Tokenizer, seq_len: int,
+    cache_dir: str | os.PathLike[str] | None = None, eval_fraction: float = 0.01,
+) -> tuple[TokenDataset, TokenDataset | None]:
+    """Train and eval datasets of packed ``seq_len + 1``-token samples.
+
+    ``paths`` empty: the built-in standard-library corpus. ``.bin`` files (from tools/preprocess_data.py):
+    memory-mapped directly (several are concatenated in memory). Text/JSONL files or directories: tokenised
+    once and cached under ``cache_dir/tokens`` keyed by corpus fingerprint and tokenizer (file-locked,
+    written atomically), so later runs and other ranks memory-map the cache. The last ``eval_fraction`` of
+    the tokens (at least one sample) is the eval split; ``eval_fraction == 0`` gives no eval dataset.
+
+    Raises:
+        ValueError: for a tokenizer that does not match a ``.bin`` file, a bad ``eval_fraction`` or a corpus
+            too small for one train (and one eval) sample.
+    """
+    if not 0.0 <= eval_fraction < 1.0:
+        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    if seq_len <= 0:
+        raise ValueError(f"--seq-len must be positive, got {seq_len}")
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    tokens = _load_tokens(list(paths), tokenizer, cache)
+    n = int(tokens.shape[0])
+    sample = seq_len + 1
+    n_eval = max(math.ceil(n * eval_fraction), sample) if eval_fraction > 0 else 0
+    if n - n_eval < sample:
+        need = sample + (sample if eval_fraction > 0 else 0)
+        raise ValueError(
+            f"corpus has {n} tokens, too few for --seq-len {seq_len}: need at least {need} tokens "
+            f"(one train sample{' and one eval sample' if eval_fraction > 0 else ''}); "
+            "use more data or a shorter --seq-len"
+        )
+    train = TokenDataset(tokens[: n - n_eval], seq_len)
+    evaluation = TokenDataset(tokens[n - n_eval :], seq_len) if n_eval else None
+    return train, evaluation
+
+
+def resolve_tokenizer(
+    paths: Sequence[str | os.PathLike[str]], vocab_size: int | None,
+    cache_dir: str | os.PathLike[str] | None = None, tokenizer_model: str | os.PathLike[str] | None = None,
+) -> Tokenizer:
+    """The tokenizer a run should use for ``paths``.
+
+    An explicit ``tokenizer_model`` wins; for ``.bin`` inputs the model recorded in the sidecar is used;
+    otherwise the cached BPE of ``vocab_size`` is loaded or trained on the text paths (the standard-library
+    corpus when ``paths`` is empty).
+
+    Raises:
+        ValueError: if ``vocab_size`` contradicts the tokenizer, or no tokenizer can be determined.
+    """
+    bins = [str(p) for p in paths if str(p).endswith(".bin")]
+    if tokenizer_model is None and bins:
+        tokenizer_model = read_token_meta(bins[0]).get("tokenizer_model")
+        if not tokenizer_model or not Path(tokenizer_model).is_file():
+            raise ValueError(f"{bins[0]}: its tokenizer model {tokenizer_model!r} is not available; pass --tokenizer")
+    if tokenizer_model is not None:
+        tok = Tokenizer.from_file(tokenizer_model)
+        if vocab_size is not None and vocab_size != tok.vocab_size:
+            raise ValueError(
+                f"--vocab-size {vocab_size} does not match tokenizer {tokenizer_model} with {tok.vocab_size} pieces; "
+                "drop --vocab-size or make them equal"
+            )
+        return tok
+    if vocab_size is None:
+        raise ValueError("--vocab-size is required to train the built-in tokenizer (or pass --tokenizer MODEL)")
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return load_or_train_tokenizer(list(paths) or None, vocab_size, cache)

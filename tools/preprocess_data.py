@@ -1,0 +1,97 @@
+#!/usr/bin/env python
+"""Tokenise text / JSONL files into a memory-mapped ``OUT.bin`` + ``OUT.json`` for pretraining.
+
+Examples::
+
+    python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus --vocab-size 8192
+    python tools/preprocess_data.py --input docs/ --output-prefix data/docs --tokenizer my.model
+
+Documents are streamed (never all in memory): text files are one document each, ``.jsonl``/``.json`` files
+one ``{"text": ...}`` object per line; directories are expanded recursively. Each document is followed by
+the tokenizer's eos id. Without ``--tokenizer`` the built-in BPE of ``--vocab-size`` is trained on the input
+files (or loaded from the cache). Pass the ``.bin`` to pretraining as the data path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+try:
+    import megazero.data  # noqa: F401
+except ImportError:  # running from a checkout without installing the package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tqdm import tqdm
+
+from megazero.data.corpus import expand_paths, read_text_documents
+from megazero.data.datasets import default_cache_dir, token_dtype, tokenize_documents, write_token_file
+from megazero.data.tokenizer import Tokenizer, load_or_train_tokenizer
+
+__all__ = ["main", "parse_args"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--input", nargs="+", required=True, help="text/JSONL files or directories")
+    parser.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX.bin and OUTPUT_PREFIX.json")
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--vocab-size", type=int, help="train (or load the cached) built-in BPE of this size")
+    group.add_argument("--tokenizer", help="an existing SentencePiece .model file")
+    parser.add_argument("--cache-dir", default=None, help="tokenizer cache root (default: $MEGAZERO_CACHE or "
+                        "~/.cache/megazero)")
+    parser.add_argument("--batch-size", type=int, default=256, help="documents encoded per batch")
+    parser.add_argument("--num-threads", type=int, default=1, help="SentencePiece encoding threads")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the tool; returns the process exit code."""
+    args = parse_args(argv)
+    start = time.perf_counter()
+    try:
+        files = expand_paths(args.input)
+        if not files:
+            raise ValueError(f"--input {args.input} contains no files")
+        if args.tokenizer:
+            tokenizer = Tokenizer.from_file(args.tokenizer)
+        else:
+            cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+            tokenizer = load_or_train_tokenizer(files, args.vocab_size, cache_dir)
+        counts: dict = {"documents": 0, "inputs": [str(p) for p in args.input]}  # read after streaming
+        progress = tqdm(unit="doc", desc="tokenising", file=sys.stderr, disable=None)
+
+        def counted_documents() -> Iterator[str]:
+            for doc in read_text_documents(files):
+                counts["documents"] += 1
+                progress.update(1)
+                yield doc
+
+        chunks: Iterator[np.ndarray] = tokenize_documents(
+            counted_documents(), tokenizer, batch_size=args.batch_size, num_threads=args.num_threads
+        )
+        meta = write_token_file(
+            args.output_prefix, chunks, token_dtype(tokenizer.vocab_size), vocab_size=tokenizer.vocab_size,
+            tokenizer_fingerprint=tokenizer.fingerprint, tokenizer_model=str(tokenizer.model_path.resolve()),
+            extra=counts,
+        )
+        progress.close()
+    except ValueError as e:
+        print(f"preprocess_data: error: {e}", file=sys.stderr)
+        return 2
+    seconds = time.perf_counter() - start
+    print(
+        f"wrote {args.output_prefix}.bin: {meta['documents']} documents, {meta['num_tokens']} tokens "
+        f"({meta['dtype']}, vocab {meta['vocab_size']}, tokenizer {tokenizer.model_path}) in {seconds:.1f} s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
