@@ -1,0 +1,187 @@
+"""GPT-2, written to read like a single-file GPT, built from tensor-parallel layers.
+
+The architecture is exactly GPT-2's: learned token and position embeddings, pre-LayerNorm blocks of causal
+self-attention and a tanh-GELU MLP, biases everywhere, a final LayerNorm, and an LM head tied to the token
+embedding. With ``tp_group`` of size 1 the parallel layers are ordinary linear layers.
+
+Shapes in comments: B batch, S sequence, H hidden, V/tp this rank's vocabulary slice, nh/tp this rank's heads.
+
+For pipeline parallelism, one :class:`GPT` holds a contiguous range of layers: ``pre_process`` adds the
+embeddings (first stage), ``post_process`` the final LayerNorm and LM head (last stage; it keeps its own copy
+of the token embedding, kept equal to the first stage's by the pipeline). Blocks are keyed by their global
+layer index, so a parameter has the same name (``blocks.5.mlp.fc.weight``) in every topology.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from megazero.config import ModelConfig
+from megazero.distributed import Group
+from megazero.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gather_from_tp_region,
+    shard_full_tensor,
+    vocab_parallel_cross_entropy,
+)
+from megazero.tensor_parallel.layers import replicated_parameter, tp_size_rank
+
+__all__ = ["GPT", "Block", "CausalSelfAttention", "LayerNorm", "MLP", "init_parameters"]
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with weight and bias, replicated on every TP rank."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = replicated_parameter((hidden_size,), "ones")
+        self.bias = replicated_parameter((hidden_size,), "zeros")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal attention; each TP rank owns ``num_heads / tp`` heads."""
+
+    def __init__(self, cfg: ModelConfig, tp_group: Group | None) -> None:
+        super().__init__()
+        tp_size, _ = tp_size_rank(tp_group)
+        if cfg.num_heads % tp_size:
+            raise ValueError(f"--num-heads ({cfg.num_heads}) must be divisible by --tp ({tp_size})")
+        self.local_heads = cfg.num_heads // tp_size
+        self.dropout = cfg.dropout
+        resid_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        # qkv is one fused weight [3H, H]; stride=3 gives each rank the q, k and v rows of its own heads.
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, tp_group, std=cfg.init_std, stride=3)
+        self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp_group, std=resid_std)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x [B, S, H/tp]
+        q, k, v = (rearrange(t, "b s (nh hd) -> b nh s hd", nh=self.local_heads) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )  # [B, nh/tp, S, hd]
+        y = rearrange(y, "b nh s hd -> b s (nh hd)")  # [B, S, H/tp]
+        return self.resid_dropout(self.proj(y))  # [B, S, H], summed over TP ranks
+
+
+class MLP(nn.Module):
+    """H -> 4H (column-parallel) -> tanh-GELU -> H (row-parallel)."""
+
+    def __init__(self, cfg: ModelConfig, tp_group: Group | None) -> None:
+        super().__init__()
+        resid_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        self.fc = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, tp_group, std=cfg.init_std)
+        self.proj = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, tp_group, std=resid_std)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.fc(x), approximate="tanh")  # [B, S, 4H/tp]
+        return self.dropout(self.proj(h))  # [B, S, H]
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: ModelConfig, tp_group: Group | None) -> None:
+        super().__init__()
+        self.ln_1 = LayerNorm(cfg.hidden_size, cfg.layernorm_eps)
+        self.attn = CausalSelfAttention(cfg, tp_group)
+        self.ln_2 = LayerNorm(cfg.hidden_size, cfg.layernorm_eps)
+        self.mlp = MLP(cfg, tp_group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """GPT-2 (or the part of it one pipeline stage holds).
+
+    ``forward(tokens_or_hidden, targets)``: the first stage takes token ids [B, S], later stages the hidden
+    states [B, S, H] of the previous one. The last stage returns the per-token loss [B, S] (fp32) when
+    ``targets`` is given, else this rank's vocabulary slice of the logits; other stages return hidden states.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tp_group: Group | None = None,
+        layers: range | None = None,
+        pre_process: bool = True,
+        post_process: bool = True,
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tp_group = tp_group
+        self.layers = range(cfg.num_layers) if layers is None else layers
+        self.pre_process, self.post_process = pre_process, post_process
+        if cfg.hidden_size % cfg.num_heads:
+            raise ValueError(f"--hidden-size ({cfg.hidden_size}) must be divisible by --num-heads ({cfg.num_heads})")
+        if pre_process or post_process:  # the LM head is tied to the token embedding
+            self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_group, std=cfg.init_std)
+        if pre_process:
+            self.wpe = nn.Module()
+            self.wpe.weight = replicated_parameter((cfg.seq_len, cfg.hidden_size), "normal", cfg.init_std)
+            self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp_group) for i in self.layers})
+        if post_process:
+            self.ln_f = LayerNorm(cfg.hidden_size, cfg.layernorm_eps)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return self.wte.padded_vocab_size
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token + position embeddings: [B, S] -> [B, S, H]."""
+        seq_len = ids.shape[1]
+        if seq_len > self.cfg.seq_len:
+            raise ValueError(f"sequence of {seq_len} tokens exceeds --seq-len {self.cfg.seq_len}")
+        pos = self.wpe.weight[:seq_len]  # [S, H]
+        return self.drop(self.wte(ids) + pos)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if self.pre_process:
+            x = self.embed(x)  # [B, S, H]
+        for block in self.blocks.values():
+            x = block(x)
+        if not self.post_process:
+            return x  # hidden states for the next stage
+        logits = self.wte.logits(self.ln_f(x))  # [B, S, V/tp]
+        if targets is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, targets, self.tp_group, self.wte.vocab_start)  # [B, S]
+
+    @torch.no_grad()
+    def full_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """Unsharded, unpadded logits [B, S, vocab_size] (single-stage models; for evaluation and tests)."""
+        logits = gather_from_tp_region(self(ids), self.tp_group)
+        return logits[..., : self.cfg.vocab_size]
+
+
+def _name_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+@torch.no_grad()
+def init_parameters(model: nn.Module, seed: int, tp_group: Group | None = None) -> None:
+    """Initialise every parameter from ``(seed, its unsharded name)`` at full shape, then keep this rank's slice.
+
+    Any topology (tp, pp) therefore starts from the same model.
+    """
+    tp_size, tp_rank = tp_size_rank(tp_group)
+    for name, p in model.named_parameters():
+        spec = p.shard_spec
+        full = spec.make_full(torch.Generator().manual_seed(_name_seed(seed, name)))
+        p.copy_(shard_full_tensor(full, spec, tp_rank, tp_size).to(p.dtype))

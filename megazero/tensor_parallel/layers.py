@@ -1,0 +1,183 @@
+"""Tensor-parallel layers and the sharding metadata every parameter carries.
+
+Every parameter created here carries a :class:`ShardSpec` (``param.shard_spec``): its full, unpadded shape,
+the dimension split across TP ranks (``None`` when replicated), how many interleaved blocks that dimension
+holds (3 for a fused QKV weight, so each rank gets its own heads' q, k and v), the padded size of that
+dimension and how to initialise the full tensor. Initialisation, checkpoint merging and gradient-norm
+accounting all read the spec, so they agree on what a shard is.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megazero.distributed import Group
+from megazero.tensor_parallel.mappings import (
+    copy_to_tp_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+)
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "ShardSpec",
+    "VocabParallelEmbedding",
+    "pad_size",
+    "replicated_parameter",
+    "shard_full_tensor",
+    "tp_size_rank",
+]
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How one parameter relates to its full, unsharded tensor."""
+
+    full_shape: tuple[int, ...]
+    init: str  # "normal", "zeros" or "ones"
+    std: float = 0.0
+    partition_dim: int | None = None  # None: replicated on every TP rank
+    stride: int = 1  # interleaved blocks along partition_dim (qkv: 3)
+    padded_dim_size: int | None = None  # partition_dim size after zero padding (vocab)
+
+    def make_full(self, generator: torch.Generator) -> torch.Tensor:
+        """The full, unpadded fp32 tensor this parameter is a slice of, drawn from ``generator``."""
+        if self.init == "normal":
+            return torch.randn(self.full_shape, generator=generator) * self.std
+        if self.init == "zeros":
+            return torch.zeros(self.full_shape)
+        if self.init == "ones":
+            return torch.ones(self.full_shape)
+        raise ValueError(f"unknown init {self.init!r}")
+
+
+def tp_size_rank(group: Group | None) -> tuple[int, int]:
+    return (1, 0) if group is None else (group.size, group.rank)
+
+
+def pad_size(size: int, multiple: int) -> int:
+    return int(math.ceil(size / multiple) * multiple)
+
+
+def shard_full_tensor(full: torch.Tensor, spec: ShardSpec, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """Zero-pad the full tensor along ``partition_dim`` and keep this rank's slice (blocks interleaved)."""
+    if spec.partition_dim is None:
+        return full
+    dim = spec.partition_dim
+    if spec.padded_dim_size is not None and spec.padded_dim_size > full.shape[dim]:
+        pad_shape = list(full.shape)
+        pad_shape[dim] = spec.padded_dim_size - full.shape[dim]
+        full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
+    blocks = full.chunk(spec.stride, dim=dim)
+    return torch.cat([b.chunk(tp_size, dim=dim)[tp_rank] for b in blocks], dim=dim)
+
+
+def _param(shape: tuple[int, ...], spec: ShardSpec) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape))
+    p.shard_spec = spec  # type: ignore[attr-defined]
+    return p
+
+
+def replicated_parameter(shape: tuple[int, ...], init: str, std: float = 0.0) -> nn.Parameter:
+    """A parameter that every TP rank holds in full (LayerNorms, position embeddings, row-parallel biases)."""
+    return _param(shape, ShardSpec(tuple(shape), init, std))
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size ({d})")
+    return n // d
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x A^T + b`` with A split by output rows: each rank computes its slice of the outputs.
+
+    ``stride`` > 1 interleaves blocks (a fused QKV weight keeps each rank's q, k and v together).
+    With ``gather_output`` the full output is all-gathered; otherwise it stays split (feed a row-parallel layer).
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp_group: Group | None, *, bias: bool = True,
+                 std: float = 0.02, gather_output: bool = False, stride: int = 1) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+        self.gather_output = gather_output
+        tp_size, _ = tp_size_rank(tp_group)
+        local_out = _divide(out_features, tp_size, "output features")
+        self.weight = _param((local_out, in_features),
+                             ShardSpec((out_features, in_features), "normal", std, partition_dim=0, stride=stride))
+        self.bias = _param((local_out,), ShardSpec((out_features,), "zeros", partition_dim=0, stride=stride)) \
+            if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(copy_to_tp_region(x, self.tp_group), self.weight, self.bias)
+        return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x A^T + b`` with A split by input columns; partial outputs are summed over the TP group.
+
+    The input is expected split along its last dimension (``input_is_parallel``, the output of a
+    column-parallel layer). The bias is replicated and added once, after the reduction.
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp_group: Group | None, *, bias: bool = True,
+                 std: float = 0.02, input_is_parallel: bool = True) -> None:
+        super().__init__()
+        if not input_is_parallel:
+            raise NotImplementedError("RowParallelLinear expects input_is_parallel=True")
+        self.tp_group = tp_group
+        tp_size, _ = tp_size_rank(tp_group)
+        local_in = _divide(in_features, tp_size, "input features")
+        self.weight = _param((out_features, local_in),
+                             ShardSpec((out_features, in_features), "normal", std, partition_dim=1))
+        self.bias = _param((out_features,), ShardSpec((out_features,), "zeros")) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_tp_region(F.linear(x, self.weight), self.tp_group)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the (padded) vocabulary split across TP ranks.
+
+    Ids outside this rank's range look up zeros and the partial results are summed over the group. The same
+    weight serves as the tied LM head through :meth:`logits`, which returns this rank's vocabulary slice of
+    the logits (padded entries set to ``-inf`` so they never reach a softmax).
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp_group: Group | None, *, std: float = 0.02,
+                 pad_multiple: int = 128) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+        tp_size, tp_rank = tp_size_rank(tp_group)
+        self.vocab_size = vocab_size
+        self.padded_vocab_size = pad_size(vocab_size, pad_multiple * tp_size)
+        self.local_vocab = self.padded_vocab_size // tp_size
+        self.vocab_start = tp_rank * self.local_vocab
+        self.weight = _param((self.local_vocab, hidden_size),
+                             ShardSpec((vocab_size, hidden_size), "normal", std, partition_dim=0,
+                                       padded_dim_size=self.padded_vocab_size))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_group is None or self.tp_group.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.local_vocab)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp_region(out, self.tp_group)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary slice of ``x @ E^T``, padded entries at ``-inf``."""
+        logits = F.linear(copy_to_tp_region(x, self.tp_group), self.weight)
+        n_real = self.vocab_size - self.vocab_start
+        if n_real < self.local_vocab:
+            mask = torch.arange(self.local_vocab, device=logits.device) >= n_real
+            logits = logits.masked_fill(mask, float("-inf"))
+        return logits

@@ -1,0 +1,107 @@
+"""The one helper that starts gloo worlds on CPU for distributed tests.
+
+``run_world(fn, world_size, tp=.., pp=..)`` forks ``world_size`` processes, gives each a process group over
+gloo and its :class:`~megazero.parallel_context.ParallelContext`, calls ``fn(ctx, *args)`` on every rank and
+returns the list of per-rank results (they must pickle). A rank that raises makes ``run_world`` raise with
+that rank's traceback; a world that does not finish within ``timeout`` is killed and reported.
+
+Forking is cheap (no re-import of torch) and each rank runs single-threaded, so many small worlds fit on
+two cores. Ranks end with ``os._exit`` after destroying their group, which sidesteps gloo's shutdown race.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["WorldError", "run_world"]
+
+
+class WorldError(RuntimeError):
+    """A rank of a test world failed or the world timed out."""
+
+
+def _rank_main(rank: int, world_size: int, port: int, grid_kwargs: dict, dist_timeout: float,
+               fn: Callable, args: tuple, kwargs: dict, results: mp.Queue) -> None:
+    code = 0
+    try:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        from megazero.parallel_context import ParallelContext, RankGrid
+
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=dist_timeout),
+        )
+        ctx = ParallelContext.from_grid(RankGrid.from_world(world_size, **grid_kwargs))
+        out = fn(ctx, *args, **kwargs)
+        results.put((rank, "ok", out))
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        results.put((rank, "error", traceback.format_exc()))
+        code = 1
+    finally:
+        results.close()
+        results.join_thread()  # flush the queue's feeder thread before the hard exit
+        os._exit(code)
+
+
+def run_world(fn: Callable[..., Any], world_size: int, *args: Any, tp: int = 1, pp: int = 1,
+              dp: int | None = None, timeout: float = 180.0, dist_timeout: float = 60.0,
+              **kwargs: Any) -> list[Any]:
+    """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` forked gloo ranks; return results by rank."""
+    from megazero.distributed import free_port
+
+    ctx_mp = mp.get_context("fork")
+    results: mp.Queue = ctx_mp.Queue()
+    port = free_port()
+    grid_kwargs = {"tp_size": tp, "pp_size": pp, "dp_size": dp}
+    procs = [
+        ctx_mp.Process(target=_rank_main, args=(r, world_size, port, grid_kwargs, dist_timeout, fn, args, kwargs,
+                                                results), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    import time
+
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) + len(errors) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(out) - set(errors))
+                raise WorldError(f"world of {world_size} timed out after {timeout:.0f}s; ranks {missing} unfinished"
+                                 + "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in errors.items()))
+            try:
+                rank, status, payload = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and r not in out and r not in errors]
+                if dead and not errors:
+                    # a rank died without reporting (e.g. a signal); give peers a moment, then fail
+                    errors.update({r: f"exited with code {procs[r].exitcode} without a result" for r in dead})
+                continue
+            (out if status == "ok" else errors)[rank] = payload
+            if errors:
+                # one failure: the rest would wait on a dead peer; stop them now
+                break
+        if errors:
+            raise WorldError("".join(f"\n--- rank {r} failed ---\n{tb}" for r, tb in sorted(errors.items())))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=5)
+    return [out[r] for r in range(world_size)]
