@@ -358,13 +358,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _flag_of(parser: argparse.ArgumentParser, path: str) -> str:
-    for action in parser._actions:
-        if action.dest == path and action.option_strings:
-            return action.option_strings[0]
-    return path
-
-
 def parse_args(argv: list[str] | None = None) -> Config:
     """Parse ``pretrain/gpt.py`` flags (and the ``--deepspeed-config`` file) into an unresolved Config.
 
@@ -375,29 +368,13 @@ def parse_args(argv: list[str] | None = None) -> Config:
     """
     parser = build_parser()
     explicit: dict[str, Any] = vars(parser.parse_args(argv))
-    values: dict[str, Any] = {}
-    ds_file = explicit.get("deepspeed_config")
-    if ds_file is not None:
-        from megazero.ds_config import load_deepspeed_config  # late import: ds_config imports this module
+    file = explicit.get("deepspeed_config")
+    if file is None:
+        return _build_config(explicit)
+    from megazero.ds_config import load_deepspeed_config, merge_with_flags  # late: ds_config imports us
 
-        ds = load_deepspeed_config(ds_file)
-        for path, value in ds.values.items():
-            if path in explicit and explicit[path] != value:
-                raise ConfigError(_contradiction(_flag_of(parser, path), explicit[path], ds.sources[path],
-                                                 value, ds_file))
-        for path, value, source in ds.excluded:
-            if explicit.get(path) == value:
-                raise ConfigError(_contradiction(_flag_of(parser, path), value, source, None, ds_file))
-        values.update(ds.implied)
-        values.update(ds.values)
-    values.update(explicit)
-    return _build_config(values)
-
-
-def _contradiction(flag: str, cli_value: Any, source: str, file_value: Any, file: str) -> str:
-    said = "" if file_value is None else f" (megazero reads it as {file_value!r})"
-    return (f"`{flag} {cli_value}` contradicts the DeepSpeed config {file}: {source}{said}. Make them agree, "
-            f'drop the flag, or set the key to "auto" to take the flag')
+    flags = {action.dest: action.option_strings[0] for action in parser._actions if action.option_strings}
+    return _build_config(merge_with_flags(load_deepspeed_config(file), explicit, flags, file))
 
 
 def _build_config(values: dict[str, Any]) -> Config:
@@ -597,7 +574,7 @@ def _check_not_yet_supported(cfg: Config) -> None:
         missing.append("--pp > 1 (pipeline parallelism)")
     # ZeRO stages 1-3: lifted by the zero/ optimizer (stages 1-2) and zero/stage3.py issues.
     if cfg.zero.stage > 0:
-        missing.append(f"--zero-stage {cfg.zero.stage}")
+        missing.append(f"--zero-stage {cfg.zero.stage} (zero_optimization.stage)")
     # CPU offload: lifted by the zero/offload.py issue.
     if cfg.zero.offload_optimizer is not None or cfg.zero.offload_param is not None:
         missing.append("zero_optimization.offload_optimizer/offload_param (CPU offload)")
@@ -607,7 +584,7 @@ def _check_not_yet_supported(cfg: Config) -> None:
         missing.append(f"--activation-checkpointing {ac.mode}")
     # fp16: lifted by the zero/loss_scaler.py issue (dynamic loss scaling).
     if cfg.training.precision == "fp16":
-        missing.append("--precision fp16 (use bf16 or fp32)")
+        missing.append("--precision fp16 (fp16.enabled; bf16 and fp32 work)")
     # Checkpointing: lifted by the checkpoint.py issue (sharded save/load with a manifest).
     if cfg.training.save is not None or cfg.training.load is not None:
         missing.append("--save/--load (checkpointing)")
