@@ -1,0 +1,179 @@
+"""The pretraining loop: data -> engine steps -> evaluation -> metrics, for one rank of a running world.
+
+``pretrain/gpt.py`` parses flags, starts the process group and calls :func:`run_training`; tests call it
+directly inside a world of the test harness.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megazero.config import Config
+from megazero.data import DistributedBatchSampler, build_datasets, collate, resolve_tokenizer
+from megazero.engine import Engine, StepResult
+from megazero.log import get_logger
+from megazero.metrics import (
+    MetricsWriter,
+    gather_rank_records,
+    megatron_model_flops,
+    rank_memory_record,
+)
+from megazero.parallel_context import ParallelContext
+
+__all__ = ["TrainSummary", "run_training", "wandb_mode"]
+
+
+@dataclass
+class TrainSummary:
+    losses: list[float] = field(default_factory=list)
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    seconds: float = 0.0
+    tokens: int = 0
+    final_state: dict[str, torch.Tensor] | None = None  # this rank's parameters, when asked for
+
+
+def wandb_mode(requested: str | None) -> str:
+    """``--wandb-mode`` if given, else online only when an account is configured, else offline."""
+    if requested:
+        return requested
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    netrc = os.path.expanduser("~/.netrc")
+    if os.path.exists(netrc):
+        with open(netrc) as f:
+            if "api.wandb.ai" in f.read():
+                return "online"
+    return "offline"
+
+
+def _init_wandb(cfg: Config, ctx: ParallelContext) -> Any | None:
+    if cfg.logging.wandb_project is None or ctx.rank != 0:
+        return None
+    import wandb
+
+    mode = wandb_mode(cfg.logging.wandb_mode)
+    os.makedirs(cfg.logging.log_dir, exist_ok=True)
+    run = wandb.init(
+        project=cfg.logging.wandb_project, mode=mode, dir=cfg.logging.log_dir,
+        config={**dataclasses.asdict(cfg), "topology": {"tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size,
+                                                         "world_size": ctx.world_size}},
+    )
+    get_logger().info("W&B run %s (%s mode) in %s", run.name, mode, run.dir)
+    return run
+
+
+def _step_record(cfg: Config, ctx: ParallelContext, engine: Engine, res: StepResult, step_seconds: float,
+                 eval_loss: float | None) -> dict[str, Any] | None:
+    """Gather every rank's memory and comm records (a collective) and build the metrics.jsonl object on rank 0."""
+    memory = rank_memory_record(ctx.coords(), engine.optimizer.model_state_bytes())
+    comm = {"rank": ctx.rank, "volume_elements_per_step": ctx.ledger.dp_volume_last_step(),
+            "breakdown": ctx.ledger.breakdown_last_step()}
+    gathered = gather_rank_records({"memory": memory, "comm": comm})
+    if ctx.rank != 0:
+        return None
+    m = cfg.model
+    flops = megatron_model_flops(res.tokens // m.seq_len, m.seq_len, m.num_layers, m.hidden_size,
+                                 engine.model.padded_vocab_size)
+    return {
+        "step": res.step, "loss": res.loss, "eval_loss": eval_loss, "lr": res.lr, "grad_norm": res.grad_norm,
+        "loss_scale": res.loss_scale, "tokens_per_s": res.tokens / step_seconds,
+        "tflops_per_gpu": flops / step_seconds / ctx.world_size / 1e12, "mfu": None,
+        "micro_batches": res.micro_batches, "skipped": res.skipped,
+        "memory": [g["memory"] for g in gathered], "comm": [g["comm"] for g in gathered],
+    }
+
+
+def _eval_batches(cfg: Config, ctx: ParallelContext, eval_ds) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A fixed set of evaluation global batches (the same at every evaluation and for any topology)."""
+    t = cfg.training
+    n_batches = min(t.eval_iters, len(eval_ds) // t.global_batch_size)
+    if n_batches == 0:
+        return []
+    sampler = DistributedBatchSampler(len(eval_ds), t.global_batch_size, t.micro_batch_size, ctx.dp_rank,
+                                      ctx.dp_size, seed=t.seed, shuffle=False)
+    return [[collate(eval_ds, idx) for idx in sampler.next_global_batch()] for _ in range(n_batches)]
+
+
+def run_training(cfg: Config, ctx: ParallelContext, device: torch.device | None = None,
+                 keep_final_state: bool = False) -> TrainSummary:
+    """Train ``cfg`` (already resolved for this world) on this rank; returns losses and timing."""
+    log = get_logger()
+    t, m = cfg.training, cfg.model
+    torch.manual_seed(t.seed)
+    tokenizer = resolve_tokenizer(cfg.data.paths, m.vocab_size, cfg.data.cache_dir, cfg.data.tokenizer)
+    train_ds, eval_ds = build_datasets(cfg.data.paths, tokenizer, m.seq_len, cfg.data.cache_dir,
+                                       cfg.data.eval_fraction)
+    sampler = DistributedBatchSampler(len(train_ds), t.global_batch_size, t.micro_batch_size, ctx.dp_rank,
+                                      ctx.dp_size, seed=t.seed)
+    engine = Engine(cfg, ctx, device)
+    n_params = sum(p.numel() for p in engine.model.parameters())
+    log.info("model %s: %d layers, hidden %d, %d heads, seq %d, vocab %d (padded %d); %.2fM parameters on rank 0",
+             cfg.model_preset, m.num_layers, m.hidden_size, m.num_heads, m.seq_len, m.vocab_size,
+             engine.model.padded_vocab_size, n_params / 1e6)
+    log.info("topology tp=%d pp=%d dp=%d, ZeRO stage %d, %s; global batch %d = micro %d x accumulation %d x dp %d;"
+             " %d training samples of %d tokens", ctx.tp_size, ctx.pp_size, ctx.dp_size, cfg.zero.stage,
+             t.precision, t.global_batch_size, t.micro_batch_size, t.gradient_accumulation_steps, ctx.dp_size,
+             len(train_ds), m.seq_len)
+    eval_batches = _eval_batches(cfg, ctx, eval_ds) if eval_ds is not None and t.eval_interval > 0 else []
+    writer = MetricsWriter(cfg.logging.log_dir, enabled=ctx.rank == 0, wandb_run=_init_wandb(cfg, ctx))
+    bar = None
+    if ctx.rank == 0 and cfg.logging.progress and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=t.train_steps, desc="train", unit="step", dynamic_ncols=True)
+    summary = TrainSummary()
+    start = time.perf_counter()
+    interval_start, interval_tokens = start, 0
+    try:
+        for step in range(1, t.train_steps + 1):
+            step_start = time.perf_counter()
+            batch = [collate(train_ds, idx) for idx in sampler.next_global_batch()]
+            res = engine.train_step(batch)
+            step_seconds = time.perf_counter() - step_start
+            summary.losses.append(res.loss)
+            summary.tokens += res.tokens
+            interval_tokens += res.tokens
+            eval_loss = None
+            if eval_batches and (step % t.eval_interval == 0 or step == t.train_steps):
+                eval_loss = sum(engine.eval_loss(b) for b in eval_batches) / len(eval_batches)
+                summary.eval_losses.append((step, eval_loss))
+            if not math.isfinite(res.loss):
+                raise FloatingPointError(f"loss is {res.loss} at step {step}; lower --lr or use --clip-grad")
+            if step % cfg.logging.log_interval == 0 or step == 1 or step == t.train_steps:
+                record = _step_record(cfg, ctx, engine, res, step_seconds, eval_loss)
+                if record is not None:
+                    writer.write(record)
+                    now = time.perf_counter()
+                    tok_s = interval_tokens / (now - interval_start)
+                    interval_start, interval_tokens = now, 0
+                    eta = (now - start) / step * (t.train_steps - step)
+                    msg = (f"step {step}/{t.train_steps} loss {res.loss:.4f}"
+                           + (f" eval {eval_loss:.4f}" if eval_loss is not None else "")
+                           + f" lr {res.lr:.2e} grad_norm {res.grad_norm:.3f} {tok_s:,.0f} tok/s ETA {eta:.0f}s")
+                    if bar is not None:
+                        bar.write(msg)
+                    else:
+                        log.info(msg)
+            if bar is not None:
+                bar.set_postfix(loss=f"{res.loss:.3f}", lr=f"{res.lr:.1e}")
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+        writer.close()
+    summary.seconds = time.perf_counter() - start
+    log.info("trained %d steps in %.1fs (%s tokens); loss %.4f -> %.4f", t.train_steps, summary.seconds,
+             f"{summary.tokens:,}", summary.losses[0], summary.losses[-1])
+    if keep_final_state:
+        summary.final_state = {k: v.detach().float().clone() for k, v in engine.model.state_dict().items()}
+    return summary

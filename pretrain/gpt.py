@@ -1,0 +1,60 @@
+"""Pretrain a GPT with tensor, pipeline and ZeRO data parallelism.
+
+    python pretrain/gpt.py                                  # tiny GPT on the built-in corpus, one process
+    torchrun --nproc-per-node 4 pretrain/gpt.py --dp 4      # four data-parallel ranks
+    python pretrain/gpt.py --help                           # every option
+
+Runs under torchrun, SLURM (srun) or as a plain process. Configuration errors are reported on every rank
+before any process group exists, so a bad flag never leaves a rank waiting for its peers.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+try:
+    import megazero  # noqa: F401
+except ImportError:  # running from a checkout without `pip install -e .`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+from megazero.config import ConfigError, parse_args
+from megazero.distributed import default_backend, destroy_distributed, detect_env, init_distributed
+from megazero.log import setup_logging
+from megazero.parallel_context import ParallelContext, RankGrid, TopologyError
+from megazero.trainer import run_training
+
+
+def main(argv: list[str] | None = None) -> int:
+    env = detect_env()
+    try:
+        cfg = parse_args(argv).resolve(env.world_size)
+    except (ConfigError, TopologyError) as e:
+        print(f"error (rank {env.rank}): {e}", file=sys.stderr)
+        return 2
+    log = setup_logging(env.rank, env.world_size)
+    backend = cfg.parallel.backend or default_backend()
+    init_distributed(backend, cfg.parallel.dist_timeout_s)
+    try:
+        ctx = ParallelContext.from_grid(
+            RankGrid(env.world_size, cfg.parallel.tp_size, cfg.parallel.pp_size, cfg.parallel.dp_size))
+        device = torch.device("cuda", env.local_rank) if backend == "nccl" else torch.device("cpu")
+        if device.type == "cpu" and env.world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, env.world_size)))
+        run_training(cfg, ctx, device)
+    except Exception:
+        log.exception("training failed")
+        return 1
+    finally:
+        destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Exit without waiting on gloo's background threads (they can abort at interpreter shutdown).
+    os._exit(code)
