@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import traceback
 from collections.abc import Callable
@@ -43,7 +44,8 @@ def _rank_main(rank: int, world_size: int, port: int, grid_kwargs: dict, dist_ti
         )
         ctx = ParallelContext.from_grid(RankGrid.from_world(world_size, **grid_kwargs))
         out = fn(ctx, *args, **kwargs)
-        results.put((rank, "ok", out))
+        # pickle by value: multiprocessing would share tensors through file descriptors of a dying process
+        results.put((rank, "ok", pickle.dumps(out)))
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - report everything to the parent
         results.put((rank, "error", traceback.format_exc()))
@@ -92,7 +94,10 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, tp: int = 1, 
                     # a rank died without reporting (e.g. a signal); give peers a moment, then fail
                     errors.update({r: f"exited with code {procs[r].exitcode} without a result" for r in dead})
                 continue
-            (out if status == "ok" else errors)[rank] = payload
+            if status == "ok":
+                out[rank] = pickle.loads(payload)
+            else:
+                errors[rank] = payload
             if errors:
                 # one failure: the rest would wait on a dead peer; stop them now
                 break

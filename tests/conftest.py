@@ -1,0 +1,26 @@
+"""Shared fixtures: a session-wide data cache so the built-in tokenizer and corpus are prepared once."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory) -> str:
+    """A cache directory with the built-in corpus' tokenizer (vocab 512) and token cache already built."""
+    from megazero.data import build_datasets, resolve_tokenizer
+
+    cache = str(tmp_path_factory.mktemp("megazero-cache"))
+    tok = resolve_tokenizer([], 512, cache)
+    build_datasets([], tok, 32, cache)
+    return cache
+
+
+@pytest.fixture(scope="session")
+def subprocess_env(data_cache) -> dict[str, str]:
+    """Environment for launching pretrain/gpt.py in tests: shared cache, W&B off, one thread per rank."""
+    env = dict(os.environ)
+    env.update(MEGAZERO_CACHE=data_cache, WANDB_MODE="disabled", OMP_NUM_THREADS="1")
+    return env

@@ -1,0 +1,109 @@
+"""Rank grid arithmetic (no backend), live process groups, collective wrappers and the comm ledger."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megazero.distributed import CommLedger, _first_slurm_host, detect_env
+from megazero.parallel_context import RankGrid, TopologyError
+from tests.dist import WorldError, run_world
+
+
+def test_grid_layout_tp_fastest_then_dp_then_pp():
+    g = RankGrid(16, tp_size=2, pp_size=2, dp_size=4)
+    assert [g.coords(r) for r in range(4)] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
+    assert g.coords(8) == (1, 0, 0) and g.coords(15) == (1, 3, 1)
+    assert all(g.rank_of(*g.coords(r)) == r for r in range(16))
+    assert g.tp_groups()[0] == [0, 1]
+    assert g.dp_groups()[0] == [0, 2, 4, 6] and g.dp_groups()[-1] == [9, 11, 13, 15]
+    assert g.pp_groups()[0] == [0, 8]
+    assert g.mp_groups()[1] == [2, 3, 10, 11]
+    assert g.embedding_groups()[0] == [0, 8]
+    for kind in ("tp", "dp", "pp", "mp", "embedding"):  # every kind partitions the world
+        groups = getattr(g, f"{kind}_groups")()
+        assert sorted(r for grp in groups for r in grp) == list(range(16)), kind
+    assert RankGrid(4, dp_size=4).embedding_groups() == [[0], [1], [2], [3]]
+
+
+def test_grid_errors_name_the_fix():
+    with pytest.raises(TopologyError, match=r"world size 8 != tp \(2\) x pp \(2\) x dp \(3\)"):
+        RankGrid(8, 2, 2, 3)
+    with pytest.raises(TopologyError, match="not divisible by tp"):
+        RankGrid.from_world(6, tp_size=4)
+    assert RankGrid.from_world(8, tp_size=2, pp_size=2).dp_size == 2
+
+
+def test_launcher_environment_detection():
+    env = detect_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "7"})
+    assert (env.rank, env.world_size, env.local_rank, env.launcher) == (3, 8, 1, "torchrun")
+    env = detect_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
+                      "SLURM_NODELIST": "gpu[003-004,010]"})
+    assert (env.rank, env.world_size, env.master_addr, env.launcher) == (5, 16, "gpu003", "slurm")
+    assert _first_slurm_host("node7,node8") == "node7"
+    assert detect_env({}).launcher == "single"
+
+
+def test_ledger_counts_logical_volume_per_step():
+    led = CommLedger()
+    led.record("dp", "all_reduce", "grad", 20)
+    led.record("tp", "all_reduce", "act", 6)
+    led.mark_step()
+    assert led.dp_volume_last_step() == 20
+    led.record("dp", "reduce_scatter", "grad", 10)
+    led.record("dp", "all_gather", "param", 10)
+    led.record("dp", "all_reduce", "loss", 2)
+    led.mark_step()
+    assert led.dp_volume_last_step() == 20
+    assert led.breakdown_last_step() == {"dp/all_gather/param": 10, "dp/all_reduce/loss": 2,
+                                         "dp/reduce_scatter/grad": 10}
+
+
+def _groups_and_collectives(ctx):
+    g = ctx.grid
+    out = {"coords": (ctx.pp_rank, ctx.dp_rank, ctx.tp_rank)}
+    for kind in ("tp", "dp", "pp", "mp", "embedding"):
+        grp = getattr(ctx, f"{kind}_group")
+        assert grp.ranks == g.group_of(kind, ctx.rank) and grp.ranks[grp.rank] == ctx.rank
+    x = torch.full((3,), float(ctx.rank))
+    ctx.dp_group.all_reduce(x, tag="grad")
+    out["dp_sum"] = x[0].item()
+    n = ctx.tp_group.size
+    gathered = torch.empty(2 * n)
+    ctx.tp_group.all_gather_into(gathered, torch.full((2,), float(ctx.rank)), tag="param")
+    out["tp_gather"] = gathered.tolist()
+    rs = torch.empty(2)
+    ctx.dp_group.reduce_scatter(rs, torch.arange(2.0 * ctx.dp_size) + ctx.rank, tag="grad")
+    out["dp_rs"] = rs.tolist()
+    y = torch.tensor([float(ctx.rank)])
+    ctx.pp_group.broadcast(y, src=0)
+    out["pp_bcast"] = y.item()
+    ctx.ledger.mark_step()
+    out["dp_volume"] = ctx.ledger.dp_volume_last_step()
+    return out
+
+
+def test_live_groups_and_collectives_in_an_8_rank_world():
+    res = run_world(_groups_and_collectives, 8, tp=2, pp=2)
+    grid = RankGrid(8, 2, 2, 2)
+    for r, out in enumerate(res):
+        assert out["coords"] == grid.coords(r)
+        dp_ranks = grid.group_of("dp", r)
+        assert out["dp_sum"] == sum(dp_ranks)
+        assert out["tp_gather"] == [float(t) for t in grid.group_of("tp", r) for _ in range(2)]
+        i = dp_ranks.index(r)
+        assert out["dp_rs"] == [float(sum(2 * i + k + q for q in dp_ranks)) for k in range(2)]
+        assert out["pp_bcast"] == float(grid.group_of("pp", r)[0])
+        # all-reduce of 3 counts 6; reduce-scatter counts its input (4); the tp gather is not DP traffic
+        assert out["dp_volume"] == 2 * 3 + 4
+
+
+def _fails_on_rank_one(ctx):
+    if ctx.rank == 1:
+        raise RuntimeError("boom on rank one")
+    torch.distributed.barrier()  # would wait forever for rank 1 without the harness stopping the world
+
+
+def test_harness_reports_a_failing_rank_instead_of_hanging():
+    with pytest.raises(WorldError, match="boom on rank one"):
+        run_world(_fails_on_rank_one, 2, timeout=60)
