@@ -107,3 +107,23 @@ def _fails_on_rank_one(ctx):
 def test_harness_reports_a_failing_rank_instead_of_hanging():
     with pytest.raises(WorldError, match="boom on rank one"):
         run_world(_fails_on_rank_one, 2, timeout=60)
+
+
+def _peer_goes_missing(ctx):
+    import time
+
+    if ctx.rank == 1:
+        time.sleep(7)  # alive but never joins the collective
+        return "absent"
+    start = time.monotonic()
+    try:
+        ctx.world_group.all_reduce(torch.ones(1))
+    except Exception as e:  # noqa: BLE001 - the timeout is what we want to see
+        return ("error", time.monotonic() - start, type(e).__name__)
+    return ("completed", time.monotonic() - start, "")
+
+
+def test_collective_timeout_turns_a_missing_peer_into_an_error():
+    res = run_world(_peer_goes_missing, 2, dist_timeout=2, timeout=60)
+    status, seconds, _ = res[0]
+    assert status == "error" and 1.5 < seconds < 6.5, res[0]
