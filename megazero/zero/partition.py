@@ -1,0 +1,379 @@
+"""Flat, padded buffers split into equal per-rank shards, and which state each ZeRO stage shards.
+
+A :class:`FlatLayout` lays a list of tensors end to end in one flat buffer and pads it so that each of the
+``dp_size`` ranks owns an equal slice whose length is a multiple of ``align`` elements::
+
+    | p0 ......... | p1 ....... | p2 .. | pad |
+    |  rank 0 slice   |  rank 1 slice   |  ...      (a parameter may straddle two slices)
+
+The optimizer sees its share of a buffer as an :class:`OwnedSegment` made of :class:`Piece` runs (which parameter, which elements), so that it
+can apply weight decay and count the gradient norm per parameter without any per-element mask.
+:func:`build_buckets` groups consecutive tensors into buckets of bounded size, and :class:`BucketedParams`
+keeps whole parameters in such buckets and reduces their gradients over the DP group (stages 0-2, and the
+persistent parameters of stage 3).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+from torch import nn
+
+from megazero.distributed import Group
+
+__all__ = [
+    "BucketedParams",
+    "FlatLayout",
+    "OwnedSegment",
+    "Piece",
+    "ShardedState",
+    "build_buckets",
+    "sharded_state",
+    "storage_bytes",
+]
+
+
+@dataclass(frozen=True)
+class ShardedState:
+    """Which model states a ZeRO stage partitions across the data-parallel group."""
+
+    optimizer_states: bool
+    gradients: bool
+    parameters: bool
+
+
+def sharded_state(stage: int) -> ShardedState:
+    """What is sharded at ``stage``: 0 nothing, 1 optimizer states (P_os), 2 + gradients (P_os+g), 3 + params."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage} (--zero-stage / zero_optimization.stage)")
+    return ShardedState(optimizer_states=stage >= 1, gradients=stage >= 2, parameters=stage >= 3)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Part of tensor ``index`` inside a flat range: ``numel`` elements from ``param_offset`` within the tensor,
+    at ``offset`` within the range."""
+
+    index: int
+    param_offset: int
+    offset: int
+    numel: int
+
+
+class FlatLayout:
+    """Tensors of sizes ``numels`` laid end to end, padded to ``dp_size`` equal slices of ``shard_numel``.
+
+    ``shard_numel`` is a multiple of ``align`` so every rank's slice starts aligned; the padding (at most
+    ``dp_size * align - 1`` elements, plus one aligned slice per rank for an empty layout) sits at the end.
+    """
+
+    def __init__(self, numels: Sequence[int], dp_size: int, align: int = 16) -> None:
+        if dp_size < 1 or align < 1:
+            raise ValueError(f"dp_size and align must be >= 1, got {dp_size} and {align}")
+        self.numels = [int(n) for n in numels]
+        self.offsets = [0, *accumulate(self.numels)][:-1] if self.numels else []
+        self.numel = sum(self.numels)
+        self.dp_size = dp_size
+        self.align = align
+        chunk = dp_size * align
+        self.padded_numel = max(1, math.ceil(self.numel / chunk)) * chunk
+        self.shard_numel = self.padded_numel // dp_size
+
+    def __repr__(self) -> str:
+        return (f"FlatLayout({len(self.numels)} tensors, {self.numel} elements, padded {self.padded_numel}, "
+                f"{self.dp_size} x {self.shard_numel})")
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """``[start, end)`` of ``rank``'s slice in the flat buffer."""
+        if not 0 <= rank < self.dp_size:
+            raise ValueError(f"rank {rank} outside a layout of {self.dp_size} shards")
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def pieces(self, start: int, end: int) -> list[Piece]:
+        """The tensors overlapping ``[start, end)``, with offsets relative to ``start`` (padding omitted)."""
+        out = []
+        for i, (off, n) in enumerate(zip(self.offsets, self.numels)):
+            lo, hi = max(off, start), min(off + n, end)
+            if lo < hi:
+                out.append(Piece(index=i, param_offset=lo - off, offset=lo - start, numel=hi - lo))
+        return out
+
+    def views(self, flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+        """Views of ``flat`` (one layout's worth of elements) shaped like the laid-out tensors."""
+        return [flat[o: o + n].view(s) for o, n, s in zip(self.offsets, self.numels, shapes)]
+
+    def flatten(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A new padded flat buffer holding ``tensors`` (zeros in the padding)."""
+        dtype = dtype or tensors[0].dtype
+        flat = torch.zeros(self.padded_numel, dtype=dtype, device=tensors[0].device if tensors else None)
+        for t, o, n in zip(tensors, self.offsets, self.numels):
+            flat[o: o + n].copy_(t.detach().reshape(-1))
+        return flat
+
+
+def build_buckets(numels: Sequence[int], bucket_numel: int) -> list[list[int]]:
+    """Group consecutive indices so each group holds at most ``bucket_numel`` elements.
+
+    A tensor larger than the bucket gets a group of its own; ``bucket_numel`` <= 0 means one group.
+    """
+    groups: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for i, n in enumerate(numels):
+        if current and bucket_numel > 0 and size + n > bucket_numel:
+            groups.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += n
+    if current:
+        groups.append(current)
+    return groups
+
+
+def storage_bytes(tensors: Sequence[torch.Tensor], seen: set[int] | None = None) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views share one), skipping storages in ``seen``.
+
+    ``seen`` is updated, so calling this per category with one set counts every storage once overall.
+    Storages that have been freed (resized to 0, a released ZeRO-3 buffer) count 0.
+    """
+    seen = set() if seen is None else seen
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        st = t.untyped_storage()
+        if st.nbytes() == 0:
+            continue
+        key = st.data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        total += st.nbytes()
+    return total
+
+
+@dataclass
+class OwnedSegment:
+    """This rank's contiguous share of one flat buffer: what the optimizer updates.
+
+    ``param`` holds the model-dtype values (a view into a live buffer, written back after each step), ``grad``
+    the reduced gradient in the model dtype (valid after the reduction), ``pieces`` the ``(parameter, start,
+    end)`` runs of each parameter's elements inside the segment, ``init`` the fp32 starting values for a
+    mixed-precision master copy (dropped once the optimizer has taken them).
+    """
+
+    param: torch.Tensor
+    grad: torch.Tensor
+    pieces: list[tuple[nn.Parameter, int, int]]
+    init: torch.Tensor | None = None
+
+
+class BucketedParams:
+    """Whole parameters in flat buckets whose gradients are reduced over the DP group bucket by bucket.
+
+    The parameters (in reverse registration order, roughly the order backward produces their gradients)
+    are grouped into buckets of at most ``bucket_numel`` elements; each bucket is a :class:`FlatLayout` over
+    the DP group (``shard_optimizer``) or over this rank alone, and every parameter becomes a view into one
+    flat model-dtype buffer. Gradient policy:
+
+    * ``shard_gradients`` False (stages 0-1): one flat gradient buffer; ``p.grad`` are views into it, so
+      backward accumulates micro-batches in place. :meth:`reduce_gradients` (at the accumulation boundary)
+      all-reduces each bucket (stage 0) or reduce-scatters it in place so each rank holds its slice reduced
+      (stage 1): 2Ψ resp. Ψ per step, whatever the number of micro-batches m.
+    * ``shard_gradients`` True (stage 2): a hook on each parameter's gradient accumulation copies the
+      gradient into its bucket's staging buffer; a full bucket is reduce-scattered at once (asynchronously
+      with ``overlap_comm``, waited on at the end of that backward) and added to this rank's owned gradient
+      buffer (one contiguous buffer of ~Ψ/Nd); the staging buffer is then freed. Ψ per micro-batch.
+
+    With ``shard_optimizer``, :meth:`after_step` all-gathers the updated slices into every rank's buffer (Ψ).
+    With ``reduce_scatter`` False, gradients are all-reduced instead (2Ψ per reduction) and the slice kept.
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], dtype: torch.dtype, dp_group: Group, *,
+                 shard_optimizer: bool, shard_gradients: bool, bucket_numel: int, align: int = 16,
+                 overlap_comm: bool = False, reduce_scatter: bool = True) -> None:
+        if shard_gradients and not shard_optimizer:
+            raise ValueError("sharded gradients need sharded optimizer states (ZeRO stage 2 includes stage 1)")
+        self.dp_group = dp_group
+        self.dtype = dtype
+        self.shard_optimizer = shard_optimizer
+        self.shard_gradients = shard_gradients
+        self.overlap_comm = overlap_comm
+        self.reduce_scatter = reduce_scatter
+        self.rank = dp_group.rank if shard_optimizer else 0
+        order = list(reversed(list(params)))
+        self.params = order
+        n_ranks = dp_group.size if shard_optimizer else 1
+        self.buckets: list[tuple[int, list[nn.Parameter], FlatLayout]] = []  # (start, params, layout)
+        start = 0
+        for idx in build_buckets([p.numel() for p in order], bucket_numel):
+            ps = [order[i] for i in idx]
+            layout = FlatLayout([p.numel() for p in ps], n_ranks, align)
+            self.buckets.append((start, ps, layout))
+            start += layout.padded_numel
+        self.numel = start
+        self.param_flat = torch.empty(start, dtype=dtype, device=order[0].device if order else None)
+        self._where: dict[nn.Parameter, tuple[int, int]] = {}
+        self.segments: list[OwnedSegment] = []
+        if shard_gradients:
+            self.grad_flat = None
+            self.owned_grad = torch.zeros(sum(lay.shard_numel for _, _, lay in self.buckets), dtype=dtype,
+                                          device=self.param_flat.device)
+        else:
+            self.grad_flat = torch.zeros_like(self.param_flat)
+            self.owned_grad = None
+        owned_off = 0
+        for b, (s, ps, layout) in enumerate(self.buckets):
+            flat32 = layout.flatten(ps, torch.float32)
+            view = self.param_flat[s: s + layout.padded_numel]
+            view.copy_(flat32)
+            lo, hi = layout.shard_range(self.rank)
+            for p, pv, off in zip(ps, layout.views(view, [p.shape for p in ps]), layout.offsets):
+                p.data = pv
+                self._where[p] = (b, off)
+            if shard_gradients:
+                grad = self.owned_grad[owned_off: owned_off + layout.shard_numel]
+                owned_off += layout.shard_numel
+            else:
+                grad = self.grad_flat[s + lo: s + hi]
+            pieces = [(ps[pc.index], pc.offset, pc.offset + pc.numel) for pc in layout.pieces(lo, hi)]
+            init = flat32[lo:hi].clone() if dtype != torch.float32 else None
+            self.segments.append(OwnedSegment(view[lo:hi], grad, pieces, init))
+        self._staging: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self._remaining = [len(ps) for _, ps, _ in self.buckets]
+        self._reduced = [False] * len(self.buckets)
+        self._inflight: list[tuple[object, int, torch.Tensor]] = []
+        if shard_gradients:
+            for p in order:
+                p.register_post_accumulate_grad_hook(self._on_grad)
+        self.zero_grad()
+
+    # -- gradients -----------------------------------------------------------------------------------------
+    def _grad_view(self, p: nn.Parameter) -> torch.Tensor:
+        b, off = self._where[p]
+        s = self.buckets[b][0]
+        return self.grad_flat[s + off: s + off + p.numel()].view(p.shape)
+
+    def zero_grad(self) -> None:
+        """Zero the gradient buffers (and point ``p.grad`` at the flat buffer, stages 0-1)."""
+        if self.grad_flat is not None:
+            self.grad_flat.zero_()
+            for p in self.params:
+                p.grad = self._grad_view(p)
+        else:
+            self.owned_grad.zero_()
+            for p in self.params:
+                p.grad = None
+
+    def start_backward(self) -> None:
+        """Reset the per-backward bucket bookkeeping (stage 2)."""
+        self._remaining = [len(ps) for _, ps, _ in self.buckets]
+        self._reduced = [False] * len(self.buckets)
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if p.grad is None:
+            return
+        b, off = self._where[p]
+        staging = self._staging[b]
+        if staging is None:
+            staging = self._staging[b] = torch.zeros(self.buckets[b][2].padded_numel, dtype=self.dtype,
+                                                     device=p.device)
+        staging[off: off + p.numel()].add_(p.grad.reshape(-1))
+        p.grad = None
+        self._remaining[b] -= 1
+        if self._remaining[b] == 0 and not self._reduced[b]:
+            self._reduce_bucket(b)
+
+    def _reduce_bucket(self, b: int) -> None:
+        staging = self._staging[b]
+        self._staging[b] = None
+        if staging is None:  # no gradient reached this bucket in this backward: reduce zeros, like every rank
+            staging = torch.zeros(self.buckets[b][2].padded_numel, dtype=self.dtype, device=self.param_flat.device)
+        lo, hi = self.buckets[b][2].shard_range(self.rank)
+        if self.reduce_scatter:
+            work = self.dp_group.reduce_scatter(staging[lo:hi], staging, tag="grad", async_op=True)
+        else:
+            work = self.dp_group.all_reduce(staging, tag="grad", async_op=True)
+        self._reduced[b] = True
+        self._inflight.append((work, b, staging))
+        if not self.overlap_comm:
+            self._drain()
+
+    def _drain(self) -> None:
+        for work, b, staging in self._inflight:
+            work.wait()
+            lo, hi = self.buckets[b][2].shard_range(self.rank)
+            self.segments[b].grad.add_(staging[lo:hi])
+        self._inflight.clear()
+
+    def finish_backward(self) -> None:
+        """End of one backward (stage 2): reduce buckets not yet complete, wait for every reduction."""
+        if not self.shard_gradients:
+            return
+        for b in range(len(self.buckets)):
+            if not self._reduced[b]:
+                self._reduce_bucket(b)
+        self._drain()
+        self.start_backward()
+
+    def reduce_gradients(self) -> None:
+        """At the accumulation boundary (stages 0-1): reduce every bucket of the flat gradient buffer."""
+        if self.grad_flat is None:
+            return
+        for p in self.params:  # gradients that bypassed the buffer (e.g. after model.zero_grad()) go back in
+            view = self._grad_view(p)
+            if p.grad is None:
+                p.grad = view
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+                p.grad = view
+        works = []
+        for s, _, layout in self.buckets:
+            g = self.grad_flat[s: s + layout.padded_numel]
+            if self.shard_optimizer and self.reduce_scatter:
+                lo, hi = layout.shard_range(self.rank)
+                works.append(self.dp_group.reduce_scatter(g[lo:hi], g, tag="grad", async_op=True))
+            else:
+                works.append(self.dp_group.all_reduce(g, tag="grad", async_op=True))
+        for w in works:
+            w.wait()
+
+    # -- parameters ----------------------------------------------------------------------------------------
+    def after_step(self) -> None:
+        """All-gather the updated slices into every rank's parameter buffer (sharded optimizer only)."""
+        if not self.shard_optimizer:
+            return
+        works = []
+        for s, _, layout in self.buckets:
+            full = self.param_flat[s: s + layout.padded_numel]
+            lo, hi = layout.shard_range(self.rank)
+            works.append(self.dp_group.all_gather_into(full, full[lo:hi], tag="param", async_op=True))
+        for w in works:
+            w.wait()
+
+    def consolidate(self, values: Sequence[torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
+        """Full fp32 tensors per parameter from every rank's per-segment ``values`` (a collective)."""
+        out = {}
+        for (_, ps, layout), v in zip(self.buckets, values):
+            v = v.detach().float().contiguous()
+            full = torch.empty(layout.padded_numel, dtype=torch.float32, device=v.device)
+            if self.shard_optimizer:
+                self.dp_group.all_gather_into(full, v, tag="other")
+            else:
+                full.copy_(v)
+            out.update(zip(ps, (t.clone() for t in layout.views(full, [p.shape for p in ps]))))
+        return out
+
+    def padded_numel(self) -> dict[str, int]:
+        """Elements laid out: ``whole`` (parameters kept whole, all buckets with padding) and ``gathered`` (0)."""
+        return {"whole": self.numel, "gathered": 0}
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The buffers this store holds right now, by model-state category."""
+        grads = [self.grad_flat if self.grad_flat is not None else self.owned_grad]
+        grads += [t for t in self._staging if t is not None] + [st for _, _, st in self._inflight]
+        return {"params": [self.param_flat], "grads": grads}
