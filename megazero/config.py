@@ -563,12 +563,6 @@ def resolve_config(cfg: Config, world_size: int) -> Config:
 def _check_not_yet_supported(cfg: Config) -> None:
     """Refuse valid settings whose implementation has not landed; each line goes when its feature lands."""
     missing = []
-    # Tensor parallelism: lifted by the TP issue (tensor_parallel/ layers wired into model/gpt.py + parity test).
-    if cfg.parallel.tp_size > 1:
-        missing.append("--tp > 1 (tensor parallelism)")
-    # Sequence parallelism: lifted by the sequence-parallel issue (after TP).
-    if cfg.parallel.sequence_parallel:
-        missing.append("--sequence-parallel")
     # Pipeline parallelism (any --pp-schedule / --virtual-stages; both are ignored at --pp 1): pipeline/ issue.
     if cfg.parallel.pp_size > 1:
         missing.append("--pp > 1 (pipeline parallelism)")

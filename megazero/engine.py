@@ -17,9 +17,11 @@ import torch
 
 from megazero.config import Config
 from megazero.lr_schedule import lr_at
+from megazero.metrics import ActivationMemoryCounter
 from megazero.model.gpt import GPT, init_parameters
 from megazero.parallel_context import ParallelContext
 from megazero.tensor_parallel import IGNORE_INDEX
+from megazero.tensor_parallel.random import RNGTracker
 from megazero.zero.optimizer import ZeroOptimizer, grad_norm_weights
 
 __all__ = ["Engine", "StepResult"]
@@ -48,8 +50,11 @@ class Engine:
         self.device = device or torch.device("cpu")
         if ctx.pp_size != 1:
             raise NotImplementedError("pipeline parallelism (--pp > 1) is not supported yet")
-        self.model = GPT(cfg.model, ctx.tp_group).to(self.device)
+        self.rng_tracker = RNGTracker(cfg.training.seed, ctx.tp_rank, self.device)
+        self.model = GPT(cfg.model, ctx.tp_group, sequence_parallel=cfg.parallel.sequence_parallel,
+                         rng_tracker=self.rng_tracker).to(self.device)
         init_parameters(self.model, cfg.training.seed, ctx.tp_group)
+        self.activations = ActivationMemoryCounter(self.model)
         self.optimizer = ZeroOptimizer(
             self.model,
             cfg.zero,
@@ -80,7 +85,8 @@ class Engine:
         loss_sum = torch.zeros((), dtype=torch.float64)
         for x, y in micro_batches:
             x, y = x.to(self.device), y.to(self.device)
-            per_token = self.model(x, y)  # [B, S] fp32
+            with self.activations.track():
+                per_token = self.model(x, y)  # [B, S] fp32
             mb_sum = per_token.sum()
             opt.backward(mb_sum / global_tokens.item())
             loss_sum += mb_sum.detach().double().cpu()

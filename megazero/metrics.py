@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 __all__ = [
     "MEMORY_KEYS",
+    "ActivationMemoryCounter",
     "MetricsWriter",
     "gather_rank_records",
     "host_rss_bytes",
@@ -29,6 +33,41 @@ MEMORY_KEYS = (
     "params_bytes", "grads_bytes", "master_params_bytes", "optimizer_states_bytes", "activation_peak_bytes",
     "device_allocated_bytes", "device_peak_bytes", "device_reserved_bytes", "host_rss_bytes",
 )
+
+
+class ActivationMemoryCounter:
+    """Measures activation memory as the bytes autograd saves for backward, through saved-tensor hooks.
+
+    Saved tensors are de-duplicated by storage (a view counts its whole storage once, since that is what stays
+    alive) and parameters are left out (they are model states). ``last`` is what one tracked forward saved;
+    ``peak`` the largest of all tracked forwards since :meth:`reset_peak`.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.last = 0
+        self.peak = 0
+
+    def reset_peak(self) -> None:
+        self.peak = 0
+
+    @contextmanager
+    def track(self) -> Iterator[None]:
+        params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if not isinstance(t, nn.Parameter):
+                storage = t.untyped_storage()
+                ptr = storage.data_ptr()
+                if ptr not in params and ptr not in seen:
+                    seen[ptr] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        self.last = sum(seen.values())
+        self.peak = max(self.peak, self.last)
 
 
 def megatron_model_flops(batch: int, seq_len: int, num_layers: int, hidden: int, vocab: int) -> float:

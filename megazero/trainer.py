@@ -26,6 +26,7 @@ from megazero.metrics import (
     megatron_model_flops,
     rank_memory_record,
 )
+from megazero.model.gpt import full_state_dict
 from megazero.parallel_context import ParallelContext
 
 __all__ = ["TrainSummary", "run_training", "wandb_mode"]
@@ -37,7 +38,7 @@ class TrainSummary:
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     seconds: float = 0.0
     tokens: int = 0
-    final_state: dict[str, torch.Tensor] | None = None  # this rank's parameters, when asked for
+    final_state: dict[str, torch.Tensor] | None = None  # full (TP-unsharded) fp32 parameters, when asked for
 
 
 def wandb_mode(requested: str | None) -> str:
@@ -75,7 +76,7 @@ def _init_wandb(cfg: Config, ctx: ParallelContext) -> Any | None:
 def _step_record(cfg: Config, ctx: ParallelContext, engine: Engine, res: StepResult, step_seconds: float,
                  eval_loss: float | None) -> dict[str, Any] | None:
     """Gather every rank's memory and comm records (a collective) and build the metrics.jsonl object on rank 0."""
-    memory = rank_memory_record(ctx.coords(), engine.optimizer.model_state_bytes())
+    memory = rank_memory_record(ctx.coords(), engine.optimizer.model_state_bytes(), engine.activations.peak)
     comm = {"rank": ctx.rank, "volume_elements_per_step": ctx.ledger.dp_volume_last_step(),
             "breakdown": ctx.ledger.breakdown_last_step()}
     gathered = gather_rank_records({"memory": memory, "comm": comm})
@@ -175,5 +176,5 @@ def run_training(cfg: Config, ctx: ParallelContext, device: torch.device | None 
     log.info("trained %d steps in %.1fs (%s tokens); loss %.4f -> %.4f", t.train_steps, summary.seconds,
              f"{summary.tokens:,}", summary.losses[0], summary.losses[-1])
     if keep_final_state:
-        summary.final_state = {k: v.detach().float().clone() for k, v in engine.model.state_dict().items()}
+        summary.final_state = full_state_dict(engine.model, ctx.tp_group)
     return summary

@@ -24,3 +24,14 @@ def subprocess_env(data_cache) -> dict[str, str]:
     env = dict(os.environ)
     env.update(MEGAZERO_CACHE=data_cache, WANDB_MODE="disabled", OMP_NUM_THREADS="1")
     return env
+
+
+@pytest.fixture(scope="session")
+def reference(data_cache, tmp_path_factory):
+    """The single-process reference run of tests/common.py's small GPT: (losses, full final state)."""
+    from tests.common import REFERENCE_FLAGS, train_runs
+    from tests.dist import run_world
+
+    [(losses, state)] = run_world(train_runs, 1, [REFERENCE_FLAGS], data_cache,
+                                  str(tmp_path_factory.mktemp("reference")))[0]
+    return losses, state

@@ -8,54 +8,22 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from megazero.config import parse_args
-from megazero.trainer import run_training
+from tests.common import SMALL_FLAGS, assert_matches_reference, train_runs
 from tests.dist import run_world
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-heads", "4", "--seq-len", "32",
-               "--vocab-size", "512", "--train-steps", "10", "--warmup-steps", "2", "--lr", "3e-3",
-               "--clip-grad", "0.5", "--eval-interval", "0", "--log-interval", "5", "--no-progress"]
-
-
-def _train(ctx, runs: list[list[str]], cache: str, log_dir: str):
-    out = []
-    for i, flags in enumerate(runs):
-        cfg = parse_args([*SMALL_FLAGS, *flags, "--cache-dir", cache, "--log-dir", f"{log_dir}/{ctx.world_size}-{i}"])
-        s = run_training(cfg.resolve(ctx.world_size), ctx, keep_final_state=True)
-        out.append((s.losses, s.final_state if ctx.rank == 0 else None))
-    return out
-
-
-def _normwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    diff = torch.cat([(a[k] - b[k]).flatten() for k in b])
-    ref = torch.cat([b[k].flatten() for k in b])
-    return (diff.norm() / ref.norm()).item()
-
-
-@pytest.fixture(scope="module")
-def reference(data_cache, tmp_path_factory):
-    """The single-process run: global batch 8 as one micro-batch."""
-    [(losses, state)] = run_world(_train, 1, [["--micro-batch-size", "8"]], data_cache,
-                                  str(tmp_path_factory.mktemp("ref")))[0]
-    return losses, state
 
 
 def test_data_parallel_matches_single_process(reference, data_cache, tmp_path):
-    ref_losses, ref_state = reference
     runs = [["--micro-batch-size", "4", "--global-batch-size", "8"],   # dp 2, no accumulation
             ["--micro-batch-size", "2", "--global-batch-size", "8"]]   # dp 2, 2 micro-batches per step
-    results = run_world(_train, 2, runs, data_cache, str(tmp_path))
+    results = run_world(train_runs, 2, runs, data_cache, str(tmp_path))
     for losses, state in results[0]:
-        assert len(losses) == len(ref_losses) == 10
-        for got, want in zip(losses, ref_losses):
-            assert abs(got - want) / abs(want) < 1e-5, (losses, ref_losses)
-        assert _normwise(state, ref_state) < 1e-5
+        assert_matches_reference(losses, state, reference)
+    ref_losses = reference[0]
     assert ref_losses[-1] < ref_losses[0] - 0.5  # it learns
-    # both ranks report the same global loss
-    assert [r[0][0] for r in results] == [results[0][0][0]] * 2
+    assert results[1][0][0] == results[0][0][0]  # every rank reports the same global loss
 
 
 def _launch(args: list[str], env: dict[str, str], nproc: int | None = None, timeout: float = 300):

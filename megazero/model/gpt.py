@@ -5,6 +5,8 @@ self-attention and a tanh-GELU MLP, biases everywhere, a final LayerNorm, and an
 embedding. With ``tp_group`` of size 1 the parallel layers are ordinary linear layers.
 
 Shapes in comments: B batch, S sequence, H hidden, V/tp this rank's vocabulary slice, nh/tp this rank's heads.
+With ``sequence_parallel`` the residual stream (LayerNorms, dropout, residual adds) holds [B, S/tp, H]: each TP
+rank keeps one chunk of the sequence, all-gathered on entry to a TP layer and reduce-scattered on exit.
 
 For pipeline parallelism, one :class:`GPT` holds a contiguous range of layers: ``pre_process`` adds the
 embeddings (first stage), ``post_process`` the final LayerNorm and LM head (last stage; it keeps its own copy
@@ -32,9 +34,25 @@ from megazero.tensor_parallel import (
     shard_full_tensor,
     vocab_parallel_cross_entropy,
 )
-from megazero.tensor_parallel.layers import replicated_parameter, tp_size_rank
+from megazero.tensor_parallel.layers import replicated_parameter, tp_size_rank, unshard_tensor
+from megazero.tensor_parallel.random import RNGTracker
 
-__all__ = ["GPT", "Block", "CausalSelfAttention", "LayerNorm", "MLP", "init_parameters"]
+__all__ = ["GPT", "Block", "CausalSelfAttention", "Dropout", "LayerNorm", "MLP", "full_state_dict",
+           "init_parameters"]
+
+
+class Dropout(nn.Dropout):
+    """Dropout that draws from the TP rank's own RNG stream when its input is sharded across TP ranks."""
+
+    def __init__(self, p: float, rng_tracker: RNGTracker | None = None, sharded: bool = False) -> None:
+        super().__init__(p)
+        self.rng_tracker = rng_tracker if sharded else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rng_tracker is None or not self.training or self.p == 0:
+            return super().forward(x)
+        with self.rng_tracker.fork():
+            return super().forward(x)
 
 
 class LayerNorm(nn.Module):
@@ -53,38 +71,52 @@ class LayerNorm(nn.Module):
 class CausalSelfAttention(nn.Module):
     """Multi-head causal attention; each TP rank owns ``num_heads / tp`` heads."""
 
-    def __init__(self, cfg: ModelConfig, tp_group: Group | None) -> None:
+    def __init__(self, cfg: ModelConfig, tp_group: Group | None, sequence_parallel: bool = False,
+                 rng_tracker: RNGTracker | None = None) -> None:
         super().__init__()
         tp_size, _ = tp_size_rank(tp_group)
         if cfg.num_heads % tp_size:
             raise ValueError(f"--num-heads ({cfg.num_heads}) must be divisible by --tp ({tp_size})")
         self.local_heads = cfg.num_heads // tp_size
         self.dropout = cfg.dropout
+        self.rng_tracker = rng_tracker
         resid_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        sp = sequence_parallel
         # qkv is one fused weight [3H, H]; stride=3 gives each rank the q, k and v rows of its own heads.
-        self.qkv = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, tp_group, std=cfg.init_std, stride=3)
-        self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp_group, std=resid_std)
-        self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, tp_group, std=cfg.init_std, stride=3,
+                                        sequence_parallel=sp)
+        self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp_group, std=resid_std,
+                                      sequence_parallel=sp)
+        self.resid_dropout = Dropout(cfg.dropout, rng_tracker, sharded=sp)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        dropout_p = self.dropout if self.training else 0.0
+        if dropout_p == 0 or self.rng_tracker is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+        with self.rng_tracker.fork():  # this rank's heads: its own dropout mask
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x [B, S, H/tp]
         q, k, v = (rearrange(t, "b s (nh hd) -> b nh s hd", nh=self.local_heads) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )  # [B, nh/tp, S, hd]
+        y = self._attend(q, k, v)  # [B, nh/tp, S, hd]
         y = rearrange(y, "b nh s hd -> b s (nh hd)")  # [B, S, H/tp]
-        return self.resid_dropout(self.proj(y))  # [B, S, H], summed over TP ranks
+        return self.resid_dropout(self.proj(y))  # [B, S, H] summed over TP ranks ([B, S/tp, H] with SP)
 
 
 class MLP(nn.Module):
     """H -> 4H (column-parallel) -> tanh-GELU -> H (row-parallel)."""
 
-    def __init__(self, cfg: ModelConfig, tp_group: Group | None) -> None:
+    def __init__(self, cfg: ModelConfig, tp_group: Group | None, sequence_parallel: bool = False,
+                 rng_tracker: RNGTracker | None = None) -> None:
         super().__init__()
         resid_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        self.fc = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, tp_group, std=cfg.init_std)
-        self.proj = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, tp_group, std=resid_std)
-        self.dropout = nn.Dropout(cfg.dropout)
+        sp = sequence_parallel
+        self.fc = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, tp_group, std=cfg.init_std,
+                                       sequence_parallel=sp)
+        self.proj = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, tp_group, std=resid_std,
+                                      sequence_parallel=sp)
+        self.dropout = Dropout(cfg.dropout, rng_tracker, sharded=sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.gelu(self.fc(x), approximate="tanh")  # [B, S, 4H/tp]
@@ -94,12 +126,13 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, cfg: ModelConfig, tp_group: Group | None) -> None:
+    def __init__(self, cfg: ModelConfig, tp_group: Group | None, sequence_parallel: bool = False,
+                 rng_tracker: RNGTracker | None = None) -> None:
         super().__init__()
         self.ln_1 = LayerNorm(cfg.hidden_size, cfg.layernorm_eps)
-        self.attn = CausalSelfAttention(cfg, tp_group)
+        self.attn = CausalSelfAttention(cfg, tp_group, sequence_parallel, rng_tracker)
         self.ln_2 = LayerNorm(cfg.hidden_size, cfg.layernorm_eps)
-        self.mlp = MLP(cfg, tp_group)
+        self.mlp = MLP(cfg, tp_group, sequence_parallel, rng_tracker)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -112,6 +145,8 @@ class GPT(nn.Module):
     ``forward(tokens_or_hidden, targets)``: the first stage takes token ids [B, S], later stages the hidden
     states [B, S, H] of the previous one. The last stage returns the per-token loss [B, S] (fp32) when
     ``targets`` is given, else this rank's vocabulary slice of the logits; other stages return hidden states.
+
+    ``rng_tracker`` gives dropout on TP-sharded activations its per-rank RNG stream (:mod:`.random`).
     """
 
     def __init__(
@@ -121,23 +156,46 @@ class GPT(nn.Module):
         layers: range | None = None,
         pre_process: bool = True,
         post_process: bool = True,
+        sequence_parallel: bool = False,
+        rng_tracker: RNGTracker | None = None,
     ) -> None:
         super().__init__()
         self.cfg = cfg
         self.tp_group = tp_group
         self.layers = range(cfg.num_layers) if layers is None else layers
         self.pre_process, self.post_process = pre_process, post_process
+        tp_size, self.tp_rank = tp_size_rank(tp_group)
+        sp = self.sequence_parallel = sequence_parallel and tp_size > 1
         if cfg.hidden_size % cfg.num_heads:
             raise ValueError(f"--hidden-size ({cfg.hidden_size}) must be divisible by --num-heads ({cfg.num_heads})")
+        if sp and cfg.seq_len % tp_size:
+            raise ValueError(f"--sequence-parallel needs --seq-len ({cfg.seq_len}) divisible by --tp ({tp_size})")
         if pre_process or post_process:  # the LM head is tied to the token embedding
-            self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_group, std=cfg.init_std)
+            self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_group, std=cfg.init_std,
+                                              sequence_parallel=sp)
         if pre_process:
             self.wpe = nn.Module()
             self.wpe.weight = replicated_parameter((cfg.seq_len, cfg.hidden_size), "normal", cfg.init_std)
-            self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp_group) for i in self.layers})
+            self.drop = Dropout(cfg.dropout, rng_tracker, sharded=sp)
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp_group, sp, rng_tracker) for i in self.layers})
         if post_process:
             self.ln_f = LayerNorm(cfg.hidden_size, cfg.layernorm_eps)
+        if sp:
+            self._sum_replicated_grads_over_tp()
+
+    def _sum_replicated_grads_over_tp(self) -> None:
+        """Under SP, TP-replicated parameters (LayerNorms, row-parallel biases, positions) see only this rank's
+        sequence chunk, so their gradients are partial: all-reduce each one over the TP group as it is made."""
+        group = self.tp_group
+
+        def all_reduce(grad: torch.Tensor) -> torch.Tensor:
+            grad = grad.contiguous().clone()
+            group.all_reduce(grad, tag="grad")
+            return grad
+
+        for p in self.parameters():
+            if p.shard_spec.partition_dim is None:
+                p.register_hook(all_reduce)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -148,8 +206,10 @@ class GPT(nn.Module):
         seq_len = ids.shape[1]
         if seq_len > self.cfg.seq_len:
             raise ValueError(f"sequence of {seq_len} tokens exceeds --seq-len {self.cfg.seq_len}")
-        pos = self.wpe.weight[:seq_len]  # [S, H]
-        return self.drop(self.wte(ids) + pos)
+        tokens = self.wte(ids)  # [B, S, H], or this rank's chunk [B, S/tp, H] with SP
+        start = self.tp_rank * tokens.shape[1] if self.sequence_parallel else 0
+        pos = self.wpe.weight[start: start + tokens.shape[1]]  # [S, H] (or [S/tp, H])
+        return self.drop(tokens + pos)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if self.pre_process:
@@ -172,6 +232,20 @@ class GPT(nn.Module):
 
 def _name_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+@torch.no_grad()
+def full_state_dict(model: nn.Module, tp_group: Group | None = None) -> dict[str, torch.Tensor]:
+    """The unsharded, unpadded fp32 parameters (a collective over ``tp_group``; every TP rank gets them)."""
+    out = {}
+    for name, p in model.named_parameters():
+        spec = p.shard_spec
+        if spec.partition_dim is None or tp_group is None or tp_group.size == 1:
+            shards = [p.detach().float()]
+        else:
+            shards = tp_group.all_gather_list(p.detach().float().contiguous(), tag="other")
+        out[name] = unshard_tensor(shards, spec).clone()
+    return out
 
 
 @torch.no_grad()

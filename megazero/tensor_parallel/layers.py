@@ -19,8 +19,10 @@ from torch import nn
 from megazero.distributed import Group
 from megazero.tensor_parallel.mappings import (
     copy_to_tp_region,
+    gather_from_sequence_parallel_region,
     gather_from_tp_region,
     reduce_from_tp_region,
+    reduce_scatter_to_sequence_parallel_region,
 )
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "replicated_parameter",
     "shard_full_tensor",
     "tp_size_rank",
+    "unshard_tensor",
 ]
 
 
@@ -78,6 +81,16 @@ def shard_full_tensor(full: torch.Tensor, spec: ShardSpec, tp_rank: int, tp_size
     return torch.cat([b.chunk(tp_size, dim=dim)[tp_rank] for b in blocks], dim=dim)
 
 
+def unshard_tensor(shards: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
+    """Inverse of :func:`shard_full_tensor`: the full, unpadded tensor from every TP rank's shard, in rank order."""
+    if spec.partition_dim is None:
+        return shards[0]
+    dim = spec.partition_dim
+    per_rank = [s.chunk(spec.stride, dim=dim) for s in shards]
+    full = torch.cat([torch.cat([blocks[b] for blocks in per_rank], dim=dim) for b in range(spec.stride)], dim=dim)
+    return full.narrow(dim, 0, spec.full_shape[dim])
+
+
 def _param(shape: tuple[int, ...], spec: ShardSpec) -> nn.Parameter:
     p = nn.Parameter(torch.empty(shape))
     p.shard_spec = spec  # type: ignore[attr-defined]
@@ -100,13 +113,17 @@ class ColumnParallelLinear(nn.Module):
 
     ``stride`` > 1 interleaves blocks (a fused QKV weight keeps each rank's q, k and v together).
     With ``gather_output`` the full output is all-gathered; otherwise it stays split (feed a row-parallel layer).
+    With ``sequence_parallel`` the input arrives as a sequence shard [B, S/tp, in] and is all-gathered along
+    the sequence (its gradient reduce-scattered) instead of copied into the TP region.
     """
 
     def __init__(self, in_features: int, out_features: int, tp_group: Group | None, *, bias: bool = True,
-                 std: float = 0.02, gather_output: bool = False, stride: int = 1) -> None:
+                 std: float = 0.02, gather_output: bool = False, stride: int = 1,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         self.tp_group = tp_group
         self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel
         tp_size, _ = tp_size_rank(tp_group)
         local_out = _divide(out_features, tp_size, "output features")
         self.weight = _param((local_out, in_features),
@@ -115,7 +132,11 @@ class ColumnParallelLinear(nn.Module):
             if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_tp_region(x, self.tp_group), self.weight, self.bias)
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.tp_group)  # [B, S/tp, in] -> [B, S, in]
+        else:
+            x = copy_to_tp_region(x, self.tp_group)
+        y = F.linear(x, self.weight, self.bias)  # [B, S, out/tp]
         return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
 
@@ -123,15 +144,17 @@ class RowParallelLinear(nn.Module):
     """``y = x A^T + b`` with A split by input columns; partial outputs are summed over the TP group.
 
     The input is expected split along its last dimension (``input_is_parallel``, the output of a
-    column-parallel layer). The bias is replicated and added once, after the reduction.
+    column-parallel layer). The bias is replicated and added once, after the reduction. With
+    ``sequence_parallel`` the partial outputs are reduce-scattered along the sequence instead of all-reduced.
     """
 
     def __init__(self, in_features: int, out_features: int, tp_group: Group | None, *, bias: bool = True,
-                 std: float = 0.02, input_is_parallel: bool = True) -> None:
+                 std: float = 0.02, input_is_parallel: bool = True, sequence_parallel: bool = False) -> None:
         super().__init__()
         if not input_is_parallel:
             raise NotImplementedError("RowParallelLinear expects input_is_parallel=True")
         self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel
         tp_size, _ = tp_size_rank(tp_group)
         local_in = _divide(in_features, tp_size, "input features")
         self.weight = _param((out_features, local_in),
@@ -139,7 +162,11 @@ class RowParallelLinear(nn.Module):
         self.bias = _param((out_features,), ShardSpec((out_features,), "zeros")) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp_region(F.linear(x, self.weight), self.tp_group)
+        y = F.linear(x, self.weight)  # partial sums [B, S, out]
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)  # [B, S/tp, out]
+        else:
+            y = reduce_from_tp_region(y, self.tp_group)
         return y + self.bias if self.bias is not None else y
 
 
@@ -148,13 +175,15 @@ class VocabParallelEmbedding(nn.Module):
 
     Ids outside this rank's range look up zeros and the partial results are summed over the group. The same
     weight serves as the tied LM head through :meth:`logits`, which returns this rank's vocabulary slice of
-    the logits (padded entries set to ``-inf`` so they never reach a softmax).
+    the logits (padded entries set to ``-inf`` so they never reach a softmax). With ``sequence_parallel``
+    the lookup's partial sums are reduce-scattered along the sequence and the LM head's input is all-gathered.
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, tp_group: Group | None, *, std: float = 0.02,
-                 pad_multiple: int = 128) -> None:
+                 pad_multiple: int = 128, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel
         tp_size, tp_rank = tp_size_rank(tp_group)
         self.vocab_size = vocab_size
         self.padded_vocab_size = pad_size(vocab_size, pad_multiple * tp_size)
@@ -170,12 +199,18 @@ class VocabParallelEmbedding(nn.Module):
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.local_vocab)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp_region(out, self.tp_group)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # this rank's rows only: a partial sum
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(out, self.tp_group)  # [B, S/tp, H]
+        return reduce_from_tp_region(out, self.tp_group)  # [B, S, H]
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary slice of ``x @ E^T``, padded entries at ``-inf``."""
-        logits = F.linear(copy_to_tp_region(x, self.tp_group), self.weight)
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.tp_group)  # [B, S/tp, H] -> [B, S, H]
+        else:
+            x = copy_to_tp_region(x, self.tp_group)
+        logits = F.linear(x, self.weight)
         n_real = self.vocab_size - self.vocab_start
         if n_real < self.local_vocab:
             mask = torch.arange(self.local_vocab, device=logits.device) >= n_real

@@ -11,7 +11,16 @@ reduce_from_tp_region       all-reduce                 identity
 scatter_to_tp_region        keep this rank's last-dim  all-gather along last dim
                             chunk
 gather_from_tp_region       all-gather along last dim  keep this rank's chunk
+scatter_to_sequence_        keep this rank's chunk of  all-gather along sequence
+  parallel_region           the sequence
+gather_from_sequence_       all-gather along sequence  reduce-scatter along sequence
+  parallel_region
+reduce_scatter_to_sequence_ reduce-scatter along       all-gather along sequence
+  parallel_region           sequence
 ==========================  =========================  ===========================
+
+Sequence-parallel regions (Korthikanti et al., 2205.05198) hold activations shaped [B, S/tp, H]: the sequence
+dimension is dim 1 throughout megazero.
 """
 
 from __future__ import annotations
@@ -21,11 +30,17 @@ import torch
 from megazero.distributed import Group
 
 __all__ = [
+    "SEQ_DIM",
     "copy_to_tp_region",
+    "gather_from_sequence_parallel_region",
     "gather_from_tp_region",
     "reduce_from_tp_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "scatter_to_sequence_parallel_region",
     "scatter_to_tp_region",
 ]
+
+SEQ_DIM = 1  # activations are [batch, sequence, hidden]
 
 
 def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -43,6 +58,64 @@ def _gather_last(x: torch.Tensor, group: Group) -> torch.Tensor:
     out = torch.empty((group.size, *x.shape), dtype=x.dtype, device=x.device)
     group.all_gather_into(out.view(-1), x.view(-1), tag="act")
     return torch.cat(out.unbind(0), dim=-1)
+
+
+def _split_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
+    if x.shape[SEQ_DIM] % group.size:
+        raise ValueError(f"sequence length {x.shape[SEQ_DIM]} is not divisible by the tensor-parallel size "
+                         f"{group.size}; sequence parallelism needs --seq-len divisible by --tp")
+    return x.chunk(group.size, dim=SEQ_DIM)[group.rank].contiguous()
+
+
+def _gather_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
+    x = x.movedim(SEQ_DIM, 0).contiguous()
+    out = torch.empty((group.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    group.all_gather_into(out, x, tag="act")
+    return out.movedim(0, SEQ_DIM)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
+    if x.shape[SEQ_DIM] % group.size:
+        raise ValueError(f"sequence length {x.shape[SEQ_DIM]} is not divisible by the tensor-parallel size "
+                         f"{group.size}; sequence parallelism needs --seq-len divisible by --tp")
+    x = x.movedim(SEQ_DIM, 0).contiguous()
+    out = torch.empty((x.shape[0] // group.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    group.reduce_scatter(out, x, tag="act")
+    return out.movedim(0, SEQ_DIM)
+
+
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_seq(g, ctx.group), None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        # the consumer is tensor-parallel, so each rank holds a partial gradient: sum and keep our chunk
+        return _reduce_scatter_seq(g, ctx.group), None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_seq(g, ctx.group), None
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -106,3 +179,18 @@ def scatter_to_tp_region(x: torch.Tensor, group: Group | None) -> torch.Tensor:
 def gather_from_tp_region(x: torch.Tensor, group: Group | None) -> torch.Tensor:
     """All-gather along the last dimension; keep this rank's chunk of the gradient."""
     return x if group is None or group.size == 1 else _GatherFromTP.apply(x, group)
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group | None) -> torch.Tensor:
+    """Keep this rank's chunk of the sequence [B, S/tp, ...]; all-gather the gradient."""
+    return x if group is None or group.size == 1 else _ScatterToSP.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group: Group | None) -> torch.Tensor:
+    """All-gather the sequence [B, S, ...] (input of a TP layer); reduce-scatter the gradient."""
+    return x if group is None or group.size == 1 else _GatherFromSP.apply(x, group)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group | None) -> torch.Tensor:
+    """Sum partial outputs over the group, keeping this rank's sequence chunk; all-gather the gradient."""
+    return x if group is None or group.size == 1 else _ReduceScatterToSP.apply(x, group)
