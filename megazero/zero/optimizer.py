@@ -37,6 +37,8 @@ model-parallel group), counting TP-replicated parameters once (``norm_counted``)
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -262,6 +264,20 @@ class ZeroOptimizer:
             values = [s.param for s in self.store.segments]
         full = self.store.consolidate(values)
         return {n: full[p] for n, p in self.model.named_parameters() if p in full}
+
+    @contextmanager
+    def gathered_parameters(self) -> Iterator[None]:
+        """Inside the block every model parameter holds its whole (model-dtype) value, e.g. to export or
+        evaluate outside the training step; a collective over ``dp_group`` at stage 3, free otherwise."""
+        gather = getattr(self.store, "gather_all", None)
+        if gather is None:
+            yield
+            return
+        gather()
+        try:
+            yield
+        finally:
+            self.store.release_all()
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of the model states this rank holds now, measured on the live tensors (storages counted once).

@@ -5,7 +5,10 @@ a forward, such as GPT's ``wpe`` holder, whose weight the parent's forward reads
 :class:`~megazero.zero.partition.FlatLayout` over the DP group. Each rank keeps only its slice (16-bit, plus
 the optimizer's fp32 master slice); the parameters themselves are views into a full-size buffer whose
 storage is freed (resized to 0) while the unit is released, so that tensors autograd saved alias the same
-storage and see the values again once the unit is re-gathered.
+storage and see the values again once the unit is re-gathered. While released, a parameter's ``.data`` is a
+shared one-element NaN placeholder expanded to its shape: shape and ``numel()`` stay right and a stray read
+outside forward/backward sees NaN instead of freed memory. Read real values with
+:meth:`Stage3Params.gathered` (``ZeroOptimizer.gathered_parameters()``) or the optimizer's fp32 master copy.
 
 * **Forward**: a forward pre-hook gathers the unit (one all-gather, Ψ_u), a forward hook releases it. Units
   with several entry points (the tied embedding: ``wte.forward`` at the input and ``wte.logits`` at the
@@ -125,6 +128,7 @@ class _Unit:
                  shard: torch.Tensor, grad: torch.Tensor, full: torch.Tensor) -> None:
         self.uid, self.name, self.module, self.params, self.layout = uid, name or "(model)", module, params, layout
         self.shard, self.grad, self.full = shard, grad, full
+        self.views = layout.views(full, [p.shape for p in params])
         self.full_bytes = full.numel() * full.element_size()
         self.offsets = dict(zip(params, layout.offsets))
         self.entries = 1
@@ -169,6 +173,7 @@ class Stage3Params:
         self.shard_flat = torch.empty(total, dtype=dtype, device=device)
         self.owned_grad = torch.zeros(total, dtype=dtype, device=device)
         self.units: list[_Unit] = []
+        self._placeholder = torch.full((1,), float("nan"), dtype=dtype, device=device)
         self.segments: list[OwnedSegment] = list(self.persistent.segments) if self.persistent else []
         self._unit_of: dict[nn.Module, _Unit] = {}
         off = 0
@@ -178,8 +183,6 @@ class Stage3Params:
             shard = self.shard_flat[off: off + layout.shard_numel]
             shard.copy_(flat32[lo:hi])
             full = torch.empty(layout.padded_numel, dtype=dtype, device=device)
-            for p, view in zip(ps, layout.views(full, [p.shape for p in ps])):
-                p.data = view
             unit = _Unit(len(self.units), name, module, ps, layout, shard,
                          self.owned_grad[off: off + layout.shard_numel], full)
             off += layout.shard_numel
@@ -323,6 +326,8 @@ class Stage3Params:
         self._check_order(units, phase)
         for u in units:
             u.full.untyped_storage().resize_(u.full_bytes)
+            for p, view in zip(u.params, u.views):
+                p.data = view
             u.gathered = True
         if len(units) == 1:
             units[0].work = self.dp_group.all_gather_into(units[0].full, units[0].shard, tag="param", async_op=True)
@@ -336,7 +341,26 @@ class Stage3Params:
             unit.work.wait()
             unit.work = None
         unit.full.untyped_storage().resize_(0)
+        for p in unit.params:
+            p.data = self._placeholder.expand(p.shape)
         unit.gathered = False
+
+    def gather_all(self) -> None:
+        """Gather every unit (a collective over the DP group); pair with :meth:`release_all`."""
+        missing = [u for u in self.units if not u.gathered]
+        if missing:
+            self._seq = 0
+            self._fetch(missing, FWD)
+        for u in self.units:
+            if u.work is not None:
+                u.work.wait()
+                u.work = None
+
+    def release_all(self) -> None:
+        """Release every gathered unit."""
+        for u in self.units:
+            if u.gathered:
+                self._free(u)
 
     def _check_order(self, units: list[_Unit], phase: int) -> None:
         self._seq += 1
