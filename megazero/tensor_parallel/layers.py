@@ -19,9 +19,10 @@ from torch import nn
 from megazero.distributed import Group
 from megazero.tensor_parallel.mappings import (
     copy_to_tp_region,
-    gather_from_sequence_parallel_region,
     gather_from_tp_region,
+    gather_sequence,
     reduce_from_tp_region,
+    reduce_scatter_sequence,
     reduce_scatter_to_sequence_parallel_region,
 )
 
@@ -32,6 +33,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "pad_size",
     "replicated_parameter",
+    "sequence_parallel_linear",
     "shard_full_tensor",
     "tp_size_rank",
     "unshard_tensor",
@@ -91,6 +93,38 @@ def unshard_tensor(shards: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
     return full.narrow(dim, 0, spec.full_shape[dim])
 
 
+class _GatherLinear(torch.autograd.Function):
+    """``F.linear(all_gather_seq(x), W, b)`` that saves only the local sequence shard ``x`` for backward.
+
+    Backward gathers ``x`` again to form the weight gradient and reduce-scatters the input gradient, so the
+    full-sequence input never stays alive between forward and backward (as in Megatron-LM).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.group = group
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(gather_sequence(x, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        full_x = gather_sequence(x, ctx.group)
+        grad_x = reduce_scatter_sequence(grad_out.matmul(weight), ctx.group)
+        grad_w = grad_out.flatten(0, -2).t().matmul(full_x.flatten(0, -2))
+        grad_b = grad_out.flatten(0, -2).sum(0) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None
+
+
+def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             group: Group | None) -> torch.Tensor:
+    """A column-parallel linear on a sequence shard [B, S/tp, in] -> [B, S, out/tp] (all-gather inside)."""
+    if group is None or group.size == 1:
+        return F.linear(x, weight, bias)
+    return _GatherLinear.apply(x, weight, bias, group)
+
+
 def _param(shape: tuple[int, ...], spec: ShardSpec) -> nn.Parameter:
     p = nn.Parameter(torch.empty(shape))
     p.shard_spec = spec  # type: ignore[attr-defined]
@@ -132,11 +166,10 @@ class ColumnParallelLinear(nn.Module):
             if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.tp_group)  # [B, S/tp, in] -> [B, S, in]
+        if self.sequence_parallel:  # [B, S/tp, in] -> all-gather -> [B, S, out/tp]
+            y = sequence_parallel_linear(x, self.weight, self.bias, self.tp_group)
         else:
-            x = copy_to_tp_region(x, self.tp_group)
-        y = F.linear(x, self.weight, self.bias)  # [B, S, out/tp]
+            y = F.linear(copy_to_tp_region(x, self.tp_group), self.weight, self.bias)  # [B, S, out/tp]
         return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
 
@@ -206,11 +239,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary slice of ``x @ E^T``, padded entries at ``-inf``."""
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.tp_group)  # [B, S/tp, H] -> [B, S, H]
+        if self.sequence_parallel:  # [B, S/tp, H] -> all-gather -> [B, S, V/tp]
+            logits = sequence_parallel_linear(x, self.weight, None, self.tp_group)
         else:
-            x = copy_to_tp_region(x, self.tp_group)
-        logits = F.linear(x, self.weight)
+            logits = F.linear(copy_to_tp_region(x, self.tp_group), self.weight)
         n_real = self.vocab_size - self.vocab_start
         if n_real < self.local_vocab:
             mask = torch.arange(self.local_vocab, device=logits.device) >= n_real

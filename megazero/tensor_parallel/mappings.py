@@ -33,8 +33,10 @@ __all__ = [
     "SEQ_DIM",
     "copy_to_tp_region",
     "gather_from_sequence_parallel_region",
+    "gather_sequence",
     "gather_from_tp_region",
     "reduce_from_tp_region",
+    "reduce_scatter_sequence",
     "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_sequence_parallel_region",
     "scatter_to_tp_region",
@@ -67,14 +69,16 @@ def _split_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x.chunk(group.size, dim=SEQ_DIM)[group.rank].contiguous()
 
 
-def _gather_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """All-gather sequence shards [B, S/tp, ...] into [B, S, ...] (no autograd)."""
     x = x.movedim(SEQ_DIM, 0).contiguous()
     out = torch.empty((group.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     group.all_gather_into(out, x, tag="act")
     return out.movedim(0, SEQ_DIM)
 
 
-def _reduce_scatter_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
+def reduce_scatter_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum [B, S, ...] over the group and keep this rank's sequence shard [B, S/tp, ...] (no autograd)."""
     if x.shape[SEQ_DIM] % group.size:
         raise ValueError(f"sequence length {x.shape[SEQ_DIM]} is not divisible by the tensor-parallel size "
                          f"{group.size}; sequence parallelism needs --seq-len divisible by --tp")
@@ -92,30 +96,30 @@ class _ScatterToSP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _gather_seq(g, ctx.group), None
+        return gather_sequence(g, ctx.group), None
 
 
 class _GatherFromSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _gather_seq(x, group)
+        return gather_sequence(x, group)
 
     @staticmethod
     def backward(ctx, g):
         # the consumer is tensor-parallel, so each rank holds a partial gradient: sum and keep our chunk
-        return _reduce_scatter_seq(g, ctx.group), None
+        return reduce_scatter_sequence(g, ctx.group), None
 
 
 class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter_seq(x, group)
+        return reduce_scatter_sequence(x, group)
 
     @staticmethod
     def backward(ctx, g):
-        return _gather_seq(g, ctx.group), None
+        return gather_sequence(g, ctx.group), None
 
 
 class _CopyToTP(torch.autograd.Function):
