@@ -2,8 +2,12 @@
 
 Every logged step produces one JSON object (DESIGN.md, metrics.jsonl) written by rank 0: the scalars
 (``step``, ``loss``, ``lr``, ``grad_norm``, ``loss_scale``, ``tokens_per_s``, ``tflops_per_gpu``, ``mfu``,
-``micro_batches``) and two lists with one object per rank, ``memory`` and ``comm``. Keys are always
-present; a value is ``null`` where it is not measured (yet).
+``micro_batches``; also ``eval_loss``, ``hfu``, ``skipped``) and two lists with one object per rank,
+``memory`` and ``comm``. Keys are always present; a value is ``null`` where it is not measured (yet), such as
+``mfu``/``hfu`` on a device whose peak FLOP/s is unknown (set ``MEGAZERO_PEAK_TFLOPS``).
+
+Throughput uses Megatron-LM's FLOPs count (:func:`megatron_model_flops`, :func:`megatron_hardware_flops`);
+W&B receives the same records flattened into per-rank series (:func:`wandb_series`).
 """
 
 from __future__ import annotations
@@ -21,12 +25,17 @@ from torch import nn
 
 __all__ = [
     "MEMORY_KEYS",
+    "PEAK_FLOPS",
     "ActivationMemoryCounter",
     "MetricsWriter",
     "gather_rank_records",
     "host_rss_bytes",
+    "megatron_hardware_flops",
     "megatron_model_flops",
+    "peak_flops_per_device",
     "rank_memory_record",
+    "throughput",
+    "wandb_series",
 ]
 
 MEMORY_KEYS = (
@@ -71,9 +80,96 @@ class ActivationMemoryCounter:
 
 
 def megatron_model_flops(batch: int, seq_len: int, num_layers: int, hidden: int, vocab: int) -> float:
-    """Model FLOPs of one step (forward + backward) by Megatron-LM's count, no recomputation."""
+    """Model FLOPs of one step (forward + backward) by Megatron-LM's count, no recomputation.
+
+    ``72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))`` for ``batch`` = B sequences of ``seq_len`` = s tokens (the
+    global batch), l layers, hidden size h and vocabulary V (Narayanan et al. 2021, appendix). MFU always
+    uses this count.
+    """
     s, h, n = seq_len, hidden, num_layers
     return 72.0 * batch * s * n * h * h * (1 + s / (6 * h) + vocab / (12 * n * h))
+
+
+def megatron_hardware_flops(batch: int, seq_len: int, num_layers: int, hidden: int, vocab: int,
+                            checkpointing: str = "none") -> float:
+    """FLOPs the hardware executes in one step, recomputation included (the numerator of HFU).
+
+    ``none``: the model FLOPs. ``full`` (every layer's forward run twice): Megatron-LM's
+    ``96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))``. ``selective`` (attention core recomputed): the model FLOPs plus
+    one more forward of the ``QKᵀ`` and attention-over-V matmuls, ``4·B·s²·h`` per layer.
+    """
+    s, h, n = seq_len, hidden, num_layers
+    if checkpointing == "full":
+        return 96.0 * batch * s * n * h * h * (1 + s / (6 * h) + vocab / (16 * n * h))
+    model = megatron_model_flops(batch, seq_len, num_layers, hidden, vocab)
+    if checkpointing == "selective":
+        return model + 4.0 * batch * s * s * h * n
+    return model
+
+
+# Dense (no sparsity) peak FLOP/s per device by compute dtype, from the vendors' datasheets. "tf32" is the
+# tensor-core rate fp32 matmuls get when torch.backends.cuda.matmul.allow_tf32 is on, "fp32" the plain rate.
+# Matched against torch.cuda.get_device_name() in order, first hit wins (so "H100 PCIe" before "H100").
+PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
+    ("H100 PCIe", {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51.2e12}),
+    ("H100 NVL", {"bf16": 835.5e12, "fp16": 835.5e12, "tf32": 417.5e12, "fp32": 60e12}),
+    ("H100", {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),  # SXM
+    ("H200 NVL", {"bf16": 835.5e12, "fp16": 835.5e12, "tf32": 417.5e12, "fp32": 60e12}),
+    ("H200", {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),  # SXM
+    ("GH200", {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),
+    ("B200", {"bf16": 2250e12, "fp16": 2250e12, "tf32": 1100e12, "fp32": 80e12}),
+    ("A100", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
+    ("A800", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
+    ("L40S", {"bf16": 362.05e12, "fp16": 362.05e12, "tf32": 183.2e12, "fp32": 91.6e12}),
+    ("L4", {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12}),
+    ("A10", {"bf16": 125e12, "fp16": 125e12, "tf32": 62.5e12, "fp32": 31.2e12}),
+    ("V100", {"fp16": 125e12, "fp32": 15.7e12}),
+]
+
+
+def peak_flops_per_device(precision: str, device: torch.device | str | None = None,
+                          device_name: str | None = None) -> float | None:
+    """Peak FLOP/s of one device for ``precision`` (fp32 | bf16 | fp16), or None where unknown (e.g. CPU).
+
+    ``MEGAZERO_PEAK_TFLOPS`` (TFLOP/s, per device) overrides the table; otherwise the CUDA device's name (or
+    ``device_name``) is looked up in :data:`PEAK_FLOPS`. fp32 uses the TF32 rate when PyTorch allows TF32
+    matmuls.
+    """
+    env = os.environ.get("MEGAZERO_PEAK_TFLOPS")
+    if env:
+        return float(env) * 1e12
+    if device_name is None:
+        dev = torch.device(device) if device is not None else None
+        if dev is None or dev.type != "cuda" or not torch.cuda.is_available():
+            return None
+        device_name = torch.cuda.get_device_name(dev)
+    key = precision
+    if precision == "fp32" and torch.backends.cuda.matmul.allow_tf32:
+        key = "tf32"
+    for pattern, peaks in PEAK_FLOPS:
+        if pattern.lower() in device_name.lower():
+            return peaks.get(key)
+    return None
+
+
+def throughput(tokens: int, seq_len: int, seconds: float, world_size: int, num_layers: int, hidden: int,
+               vocab: int, checkpointing: str = "none", peak_flops: float | None = None) -> dict[str, float | None]:
+    """``tokens_per_s``, ``tflops_per_gpu`` (model FLOPs), ``mfu`` and ``hfu`` of one step over the whole job.
+
+    ``tokens`` is the global batch's token count (so B = tokens / seq_len sequences), ``seconds`` the step's
+    wall time, ``peak_flops`` one device's peak FLOP/s (``mfu``/``hfu`` are None without it). ``vocab`` is the
+    (padded) vocabulary the LM head multiplies by.
+    """
+    batch = tokens / seq_len
+    model = megatron_model_flops(batch, seq_len, num_layers, hidden, vocab)  # type: ignore[arg-type]
+    hardware = megatron_hardware_flops(batch, seq_len, num_layers, hidden, vocab, checkpointing)  # type: ignore[arg-type]
+    per_gpu = model / seconds / world_size
+    return {
+        "tokens_per_s": tokens / seconds,
+        "tflops_per_gpu": per_gpu / 1e12,
+        "mfu": per_gpu / peak_flops if peak_flops else None,
+        "hfu": hardware / seconds / world_size / peak_flops if peak_flops else None,
+    }
 
 
 def host_rss_bytes() -> int | None:
@@ -86,16 +182,22 @@ def host_rss_bytes() -> int | None:
 
 
 def rank_memory_record(coords: dict[str, int], model_state: dict[str, int],
-                       activation_peak_bytes: int | None = None) -> dict[str, Any]:
-    """This rank's memory record: coordinates, model-state breakdown, device and host figures."""
+                       activation_peak_bytes: int | None = None,
+                       device: torch.device | str | None = None) -> dict[str, Any]:
+    """This rank's memory record: coordinates, model-state breakdown, device and host figures.
+
+    On CUDA (``device``, else the current CUDA device once CUDA is in use): ``memory_allocated``,
+    ``max_memory_allocated`` and ``memory_reserved``; everywhere: the process's resident set size.
+    """
     rec: dict[str, Any] = dict(coords)
     rec.update({k: None for k in MEMORY_KEYS})
     rec.update(model_state)
     rec["activation_peak_bytes"] = activation_peak_bytes
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        rec["device_allocated_bytes"] = torch.cuda.memory_allocated()
-        rec["device_peak_bytes"] = torch.cuda.max_memory_allocated()
-        rec["device_reserved_bytes"] = torch.cuda.memory_reserved()
+    dev = torch.device(device) if device is not None else None
+    if (dev is None or dev.type == "cuda") and torch.cuda.is_available() and torch.cuda.is_initialized():
+        rec["device_allocated_bytes"] = torch.cuda.memory_allocated(dev)
+        rec["device_peak_bytes"] = torch.cuda.max_memory_allocated(dev)
+        rec["device_reserved_bytes"] = torch.cuda.memory_reserved(dev)
     rec["host_rss_bytes"] = host_rss_bytes()
     return rec
 
@@ -125,7 +227,7 @@ class MetricsWriter:
             return
         self._file.write(json.dumps(record) + "\n")
         if self.wandb_run is not None:
-            self.wandb_run.log(_flatten_for_wandb(record), step=record["step"])
+            self.wandb_run.log(wandb_series(record), step=record["step"])
 
     def close(self) -> None:
         if self.enabled:
@@ -134,14 +236,36 @@ class MetricsWriter:
                 self.wandb_run.finish()
 
 
-def _flatten_for_wandb(record: dict[str, Any]) -> dict[str, float]:
-    """Scalars as they are; per-rank memory as ``memory/rank{r}/{key}_gib`` so a panel shows one line per GPU."""
-    out: dict[str, float] = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+# metrics.jsonl memory key -> W&B series name under memory/rank{r}/ (GiB)
+_WANDB_MEMORY = {
+    "params_bytes": "params_gib", "grads_bytes": "grads_gib", "master_params_bytes": "master_params_gib",
+    "optimizer_states_bytes": "optimizer_states_gib", "activation_peak_bytes": "activations_gib",
+    "device_allocated_bytes": "allocated_gib", "device_peak_bytes": "max_allocated_gib",
+    "device_reserved_bytes": "reserved_gib", "host_rss_bytes": "host_rss_gib",
+}
+_MODEL_STATE_KEYS = ("params_bytes", "grads_bytes", "master_params_bytes", "optimizer_states_bytes")
+
+
+def wandb_series(record: dict[str, Any]) -> dict[str, float]:
+    """One metrics.jsonl record as flat W&B series, so that a panel shows one line per GPU.
+
+    Scalars keep their names (``loss``, ``tokens_per_s``, ``mfu``...; nulls are left out). Per rank r:
+    ``memory/rank{r}/{params,grads,master_params,optimizer_states,model_states,activations}_gib``, the
+    device's ``allocated_gib``, ``max_allocated_gib`` and ``reserved_gib`` (on a CPU rank, where there is no
+    device allocator, ``allocated_gib`` is the process's resident memory), ``host_rss_gib``, and
+    ``comm/rank{r}/volume_elements_per_step``.
+    """
+    out: dict[str, float] = {k: int(v) if isinstance(v, bool) else v for k, v in record.items()
+                             if isinstance(v, (int, float)) and k != "step"}
     for rec in record.get("memory") or []:
-        r = rec["rank"]
-        for key in MEMORY_KEYS:
+        prefix = f"memory/rank{rec['rank']}/"
+        for key, name in _WANDB_MEMORY.items():
             if rec.get(key) is not None:
-                out[f"memory/rank{r}/{key.removesuffix('_bytes')}_gib"] = rec[key] / 2**30
+                out[prefix + name] = rec[key] / 2**30
+        if all(rec.get(k) is not None for k in _MODEL_STATE_KEYS):
+            out[prefix + "model_states_gib"] = sum(rec[k] for k in _MODEL_STATE_KEYS) / 2**30
+        if rec.get("device_allocated_bytes") is None and rec.get("host_rss_bytes") is not None:
+            out[prefix + "allocated_gib"] = rec["host_rss_bytes"] / 2**30
     for rec in record.get("comm") or []:
         if rec.get("volume_elements_per_step") is not None:
             out[f"comm/rank{rec['rank']}/volume_elements_per_step"] = rec["volume_elements_per_step"]

@@ -23,8 +23,9 @@ from megazero.log import get_logger
 from megazero.metrics import (
     MetricsWriter,
     gather_rank_records,
-    megatron_model_flops,
+    peak_flops_per_device,
     rank_memory_record,
+    throughput,
 )
 from megazero.model.gpt import full_state_dict
 from megazero.parallel_context import ParallelContext
@@ -64,11 +65,14 @@ def _init_wandb(cfg: Config, ctx: ParallelContext) -> Any | None:
 
     mode = wandb_mode(cfg.logging.wandb_mode)
     os.makedirs(cfg.logging.log_dir, exist_ok=True)
+    ranks = [dict(zip(("pp_rank", "dp_rank", "tp_rank"), ctx.grid.coords(r))) for r in range(ctx.world_size)]
+    topology = {"tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size, "world_size": ctx.world_size,
+                "ranks": ranks}  # rank r of the memory/rank{r}/ series sits at ranks[r]
     run = wandb.init(
         project=cfg.logging.wandb_project, mode=mode, dir=cfg.logging.log_dir,
-        config={**dataclasses.asdict(cfg), "topology": {"tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size,
-                                                         "world_size": ctx.world_size}},
+        config={**dataclasses.asdict(cfg), "topology": topology},
     )
+    run.define_metric("memory/*", summary="max")  # the dashboard's run table then shows each rank's peak
     get_logger().info("W&B run %s (%s mode) in %s", run.name, mode, run.dir)
     return run
 
@@ -76,19 +80,20 @@ def _init_wandb(cfg: Config, ctx: ParallelContext) -> Any | None:
 def _step_record(cfg: Config, ctx: ParallelContext, engine: Engine, res: StepResult, step_seconds: float,
                  eval_loss: float | None) -> dict[str, Any] | None:
     """Gather every rank's memory and comm records (a collective) and build the metrics.jsonl object on rank 0."""
-    memory = rank_memory_record(ctx.coords(), engine.optimizer.model_state_bytes(), engine.activations.peak)
+    memory = rank_memory_record(ctx.coords(), engine.optimizer.model_state_bytes(), engine.activations.peak,
+                                engine.device)
     comm = {"rank": ctx.rank, "volume_elements_per_step": ctx.ledger.dp_volume_last_step(),
             "breakdown": ctx.ledger.breakdown_last_step()}
     gathered = gather_rank_records({"memory": memory, "comm": comm})
     if ctx.rank != 0:
         return None
     m = cfg.model
-    flops = megatron_model_flops(res.tokens // m.seq_len, m.seq_len, m.num_layers, m.hidden_size,
-                                 engine.model.padded_vocab_size)
+    speed = throughput(res.tokens, m.seq_len, step_seconds, ctx.world_size, m.num_layers, m.hidden_size,
+                       engine.model.padded_vocab_size, cfg.activation_checkpointing.mode,
+                       peak_flops_per_device(cfg.training.precision, engine.device))
     return {
         "step": res.step, "loss": res.loss, "eval_loss": eval_loss, "lr": res.lr, "grad_norm": res.grad_norm,
-        "loss_scale": res.loss_scale, "tokens_per_s": res.tokens / step_seconds,
-        "tflops_per_gpu": flops / step_seconds / ctx.world_size / 1e12, "mfu": None,
+        "loss_scale": res.loss_scale, **speed,
         "micro_batches": res.micro_batches, "skipped": res.skipped,
         "memory": [g["memory"] for g in gathered], "comm": [g["comm"] for g in gathered],
     }

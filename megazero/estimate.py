@@ -1,0 +1,245 @@
+"""Memory estimator: per-rank model-state and activation bytes of a GPT for a (tp, pp, dp) grid and ZeRO stage.
+
+Model states follow the ZeRO paper (arXiv 1910.02054) with Ψ replaced by Ψ_r, the parameters one rank really
+holds (DESIGN.md): its TP shard of its pipeline stage, the vocabulary padded as :class:`VocabParallelEmbedding`
+pads it, TP-replicated pieces (LayerNorms, row-parallel biases, position embeddings) in full, and the tied
+embedding copy on the last stage. What each stage keeps per rank, as ``megazero/zero`` holds it:
+
+===========  ==========================  ===========================  ==========================
+precision    parameters                  gradients                    master + Adam moments
+===========  ==========================  ===========================  ==========================
+bf16/fp16    2Ψ (stage 3: 2Ψ/Nd)         2Ψ (stages 2-3: 2Ψ/Nd)       (4 + 8)Ψ (stages 1-3: /Nd)
+fp32         4Ψ (stage 3: 4Ψ/Nd)         4Ψ (stages 2-3: 4Ψ/Nd)       0 + 8Ψ (stages 1-3: /Nd)
+===========  ==========================  ===========================  ==========================
+
+In fp32 the parameters are their own master copy, so there is no separate master (``master_params_bytes`` is
+0 in the measured records too). At stage 3, parameters of at most ``stage3_param_persistence_threshold``
+elements stay whole on every rank (DeepSpeed's rule, as :mod:`megazero.zero.stage3` does). Padding of the
+flat buffers (under ``dp * 16`` elements per buffer) is not counted.
+
+Activations are the bytes autograd saves for backward during one micro-batch's forward, which is what
+:class:`megazero.metrics.ActivationMemoryCounter` measures. The count follows Korthikanti et al. (arXiv
+2205.05198), whose per-layer figure is ``sbh(34 + 5as/h)`` bytes in 16 bits with dropout and unfused
+attention, adapted to this implementation (see :func:`activation_bytes`). :func:`korthikanti_layer_bytes`
+gives the paper's figure for comparison.
+
+Pure arithmetic: no torch import, so the command-line tool starts instantly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megazero.config import ModelConfig
+
+__all__ = [
+    "ELEMENT_BYTES",
+    "ModelStateBytes",
+    "activation_bytes",
+    "in_flight_micro_batches",
+    "korthikanti_layer_bytes",
+    "model_state_bytes",
+    "padded_vocab_size",
+    "rank_parameter_numels",
+    "stage_layers",
+]
+
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+_CHECKPOINTING = ("none", "selective", "full")
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int, pad_multiple: int = 128) -> int:
+    """The vocabulary as the model lays it out: a multiple of ``pad_multiple * tp_size``."""
+    chunk = pad_multiple * tp_size
+    return math.ceil(vocab_size / chunk) * chunk
+
+
+def stage_layers(num_layers: int, pp_size: int) -> list[range]:
+    """Contiguous layer ranges per pipeline stage: equal shares, the first ``num_layers % pp_size`` stages one more.
+
+    This is the split the estimator assumes until ``megazero/pipeline/partition.py`` defines its own; pass
+    ``layers`` to :func:`rank_parameter_numels` / :func:`activation_bytes` for any other split.
+    """
+    if not 1 <= pp_size <= num_layers:
+        raise ValueError(f"--pp {pp_size} needs 1 <= pp <= --num-layers {num_layers}")
+    base, extra = divmod(num_layers, pp_size)
+    out, start = [], 0
+    for r in range(pp_size):
+        n = base + (r < extra)
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def rank_parameter_numels(model: ModelConfig, tp_size: int = 1, pp_size: int = 1, pp_rank: int = 0,
+                          layers: range | None = None) -> dict[str, int]:
+    """Element count of every parameter one rank holds, by the model's parameter name (Ψ_r is their sum).
+
+    The first stage holds the token and position embeddings, the last the final LayerNorm and the tied token
+    embedding (its own copy when pp > 1); column-parallel weights and biases and the vocabulary are split over
+    TP, the rest is replicated in full.
+    """
+    h, t = model.hidden_size, tp_size
+    if model.num_heads % t or h % t:
+        raise ValueError(f"--num-heads {model.num_heads} and --hidden-size {h} must be divisible by --tp {t}")
+    layers = stage_layers(model.num_layers, pp_size)[pp_rank] if layers is None else layers
+    first, last = pp_rank == 0, pp_rank == pp_size - 1
+    out: dict[str, int] = {}
+    if first or last:
+        out["wte.weight"] = padded_vocab_size(model.vocab_size, t) // t * h
+    if first:
+        out["wpe.weight"] = model.seq_len * h
+    ffn = model.ffn_hidden_size
+    for i in layers:
+        p = f"blocks.{i}."
+        out.update({
+            p + "ln_1.weight": h, p + "ln_1.bias": h,
+            p + "attn.qkv.weight": 3 * h * h // t, p + "attn.qkv.bias": 3 * h // t,
+            p + "attn.proj.weight": h * h // t, p + "attn.proj.bias": h,
+            p + "ln_2.weight": h, p + "ln_2.bias": h,
+            p + "mlp.fc.weight": ffn * h // t, p + "mlp.fc.bias": ffn // t,
+            p + "mlp.proj.weight": h * ffn // t, p + "mlp.proj.bias": h,
+        })
+    if last:
+        out["ln_f.weight"] = h
+        out["ln_f.bias"] = h
+    return out
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    """Model-state bytes one rank holds; ``offloaded`` is the part of them kept in host memory."""
+
+    params: float
+    grads: float
+    master_params: float
+    optimizer_states: float
+    offloaded: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.master_params + self.optimizer_states
+
+    @property
+    def device(self) -> float:
+        """What stays in accelerator memory."""
+        return self.total - self.offloaded
+
+    def as_record(self) -> dict[str, float]:
+        """The figures under the keys of a metrics.jsonl memory record."""
+        return {"params_bytes": self.params, "grads_bytes": self.grads, "master_params_bytes": self.master_params,
+                "optimizer_states_bytes": self.optimizer_states}
+
+
+def model_state_bytes(numels: Sequence[int] | float, stage: int, dp_size: int, precision: str = "bf16",
+                      persistence_threshold: int = 0, offload_optimizer: bool = False,
+                      offload_param: bool = False) -> ModelStateBytes:
+    """Per-rank model-state bytes of a replica of ``numels`` parameters (a list, or just their total Ψ_r).
+
+    ``persistence_threshold`` applies at stage 3 and needs the per-parameter list. ``offload_optimizer``
+    moves the fp32 master copy and Adam moments to host memory, ``offload_param`` (stage 3) the parameter
+    shards as well; both count in ``offloaded``.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0-3, got {stage}")
+    if precision not in ELEMENT_BYTES:
+        raise ValueError(f"precision must be one of {sorted(ELEMENT_BYTES)}, got {precision!r}")
+    sizes = [float(numels)] if isinstance(numels, (int, float)) else [float(n) for n in numels]
+    psi = sum(sizes)
+    persistent = sum(n for n in sizes if n <= persistence_threshold) if stage == 3 else 0.0
+    e, nd = ELEMENT_BYTES[precision], dp_size
+    params = e * persistent + e * (psi - persistent) / nd if stage == 3 else e * psi
+    grads = e * psi / nd if stage >= 2 else e * psi
+    owned = psi / nd if stage >= 1 else psi
+    master = 4 * owned if e != 4 else 0.0  # fp32: the parameters are their own master copy
+    states = 8 * owned  # Adam's two fp32 moments
+    offloaded = (master + states if offload_optimizer else 0.0) + (
+        e * (psi - persistent) / nd if offload_param and stage == 3 else 0.0)
+    return ModelStateBytes(params, grads, master, states, offloaded)
+
+
+def korthikanti_layer_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, tp_size: int = 1,
+                            sequence_parallel: bool = False, checkpointing: str = "none") -> float:
+    """Korthikanti et al.'s activation bytes of one transformer layer (16-bit, dropout, unfused attention).
+
+    ``sbh(34 + 5as/h)`` with no parallelism; ``sbh(10 + 24/t + 5as/(ht))`` with TP; ``sbh/t (34 + 5as/h)``
+    with TP and SP; selective recomputation drops the ``5as/h`` term; full recomputation keeps ``2sbh``
+    (``2sbh/t`` with SP).
+    """
+    s, b, h, a, t = seq_len, micro_batch, hidden, heads, tp_size
+    sbh = s * b * h
+    attn = 0.0 if checkpointing == "selective" else 5 * a * s / h
+    if checkpointing == "full":
+        return 2 * sbh / (t if sequence_parallel else 1)
+    if sequence_parallel and t > 1:
+        return sbh / t * (34 + attn)
+    return sbh * (10 + 24 / t + attn / t)
+
+
+def activation_bytes(model: ModelConfig, micro_batch: int, *, tp_size: int = 1, sequence_parallel: bool = False,
+                     precision: str = "bf16", checkpointing: str = "none", layers: int | None = None,
+                     first_stage: bool = True, last_stage: bool = True, fused_attention: bool = True) -> float:
+    """Bytes autograd saves during one micro-batch's forward on one rank (``layers`` transformer layers).
+
+    Per layer, with ``e`` bytes per element of the compute dtype and ``sbh`` = sequence x micro-batch x hidden:
+
+    * LayerNorm inputs ``2e·sbh`` and their mean/rstd ``4e·sb`` (divided by t with SP);
+    * inputs of the column-parallel layers (qkv, fc) ``2e·sbh``: replicated over TP, and also full with SP,
+      because ``ColumnParallelLinear`` saves its all-gathered input (Megatron saves the shard and gathers
+      again in backward, which is where the paper's ``34/t`` comes from);
+    * TP-sharded tensors ``12e·sbh/t``: q, k, v (3), attention output = projection input (1), GELU input (4)
+      and the second MLP input (4) -- the paper's 24/t in 16 bits;
+    * attention core: fused (flash/efficient SDPA, no dropout in the kernel's memory) ``4·asb/t`` for the fp32
+      log-sum-exp; unfused ``e·as²b/t`` for the softmax (+ ``(1 + e)·as²b/t`` for its dropout mask and output);
+    * with dropout: two 1-byte masks ``2·sbh`` (/t with SP); CUDA keeps them as bool, CPU kernels may keep them
+      in the compute dtype.
+
+    The first stage adds the token ids (and the vocab-parallel lookup's masked ids and mask), the last the
+    final LayerNorm, the LM head's (gathered) input, the fp32 softmax of the cross-entropy over this rank's
+    vocabulary slice and the targets. Full checkpointing keeps each layer's input (``e·sbh``, /t with SP) and
+    recomputes one layer at a time in backward (its activations counted once); selective checkpointing
+    recomputes the attention core.
+    """
+    if precision not in ELEMENT_BYTES:
+        raise ValueError(f"precision must be one of {sorted(ELEMENT_BYTES)}, got {precision!r}")
+    if checkpointing not in _CHECKPOINTING:
+        raise ValueError(f"activation checkpointing must be one of {_CHECKPOINTING}, got {checkpointing!r}")
+    e, t = ELEMENT_BYTES[precision], tp_size
+    s, b, h, a = model.seq_len, micro_batch, model.hidden_size, model.num_heads
+    sb, sbh = s * b, s * b * h
+    sp = t if sequence_parallel and t > 1 else 1  # residual-stream tensors are split over the sequence
+    n_layers = model.num_layers if layers is None else layers
+    drop = model.dropout > 0
+
+    if fused_attention:
+        core = 4 * a * sb / t
+    else:
+        core = e * a * s * sb / t + ((1 + e) * a * s * sb / t if drop else 0)
+    if checkpointing == "selective":
+        core = 4 * a * sb / t if fused_attention else 0.0
+    layer = (2 * e * sbh + 4 * e * sb) / sp + 2 * e * sbh + 12 * e * sbh / t + core + (2 * sbh / sp if drop else 0)
+    total = n_layers * layer
+    if checkpointing == "full":
+        total = n_layers * e * sbh / sp + (layer if n_layers else 0)
+
+    if first_stage:
+        total += 8 * sb if t == 1 else 9 * sb  # ids; vocab-parallel: masked local ids + out-of-range mask
+        total += sbh / sp if drop else 0
+    if last_stage:
+        v_local = padded_vocab_size(model.vocab_size, t) // t
+        total += (e * sbh + 2 * e * sb) / sp + e * sbh  # final LayerNorm input and stats, LM-head input
+        total += 4 * sb * v_local  # fp32 softmax / log-softmax over this rank's vocabulary slice
+        total += 8 * sb + (4 if t == 1 else 2 * sb)  # targets; loss bookkeeping (ignore/outside masks)
+    return total
+
+
+def in_flight_micro_batches(pp_size: int, pp_rank: int, schedule: str = "1f1b", micro_batches: int = 1) -> int:
+    """Micro-batches whose activations a pipeline stage holds at once: 1 without PP, ``pp - pp_rank`` with
+    1F1B (at most ``micro_batches``), all ``micro_batches`` with GPipe."""
+    if pp_size == 1:
+        return 1
+    if schedule == "gpipe":
+        return micro_batches
+    return max(1, min(pp_size - pp_rank, micro_batches))

@@ -1,0 +1,167 @@
+"""Plot a run's metrics.jsonl: loss, per-rank memory, throughput and MFU, as PNG files.
+
+    python tools/plot_metrics.py runs/latest                 # writes runs/latest/plots/*.png
+    python tools/plot_metrics.py runs/latest --out figs --step 200
+
+Writes ``loss.png`` (training loss, and evaluation loss where logged), ``memory.png`` (per rank: the
+model-state breakdown -- params, grads, master params, optimizer states -- stacked with the activation peak,
+and beside it what the device allocator, or on CPU the process's resident memory, measured) and
+``throughput.png`` (tokens/s, TFLOP/s per GPU, MFU and HFU where the peak FLOP/s is known).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+__all__ = ["load_records", "main", "plot_loss", "plot_memory", "plot_throughput"]
+
+BREAKDOWN = (("params_bytes", "params"), ("grads_bytes", "grads"), ("master_params_bytes", "master params"),
+             ("optimizer_states_bytes", "optimizer states"), ("activation_peak_bytes", "activations (peak)"))
+MEASURED = (("device_allocated_bytes", "allocated"), ("device_peak_bytes", "max allocated"),
+            ("device_reserved_bytes", "reserved"), ("host_rss_bytes", "host RSS"))
+
+
+def load_records(path: str | Path) -> list[dict[str, Any]]:
+    """The records of ``path`` (a metrics.jsonl file, or the log directory holding one), in step order."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not records:
+        raise ValueError(f"{path} holds no records")
+    return sorted(records, key=lambda r: r["step"])
+
+
+def _unit(max_bytes: float) -> tuple[float, str]:
+    for div, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if max_bytes >= div:
+            return div, name
+    return 1.0, "bytes"
+
+
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    pts = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def plot_loss(records: list[dict[str, Any]], out: Path) -> Path:
+    """Training loss per logged step, with the evaluation loss as markers."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(*_series(records, "loss"), label="train loss", marker=".")
+    steps, evals = _series(records, "eval_loss")
+    if steps:
+        ax.plot(steps, evals, label="eval loss", marker="o", linestyle="--")
+    ax.set(xlabel="step", ylabel="loss (token-weighted, global batch)", title="Loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    path = out / "loss.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_memory(record: dict[str, Any], out: Path) -> Path:
+    """Per-rank stacked model-state + activation breakdown, and the measured allocator/RSS figures."""
+    ranks = record.get("memory") or []
+    if not ranks:
+        raise ValueError(f"record of step {record['step']} has no per-rank memory")
+    labels = [f"{m['rank']}\n(t{m.get('tp_rank', 0)} p{m.get('pp_rank', 0)} d{m.get('dp_rank', 0)})" for m in ranks]
+    x = range(len(ranks))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(8.0, 1.6 * len(ranks) + 4), 4.5))
+
+    totals = [sum(m.get(k) or 0 for k, _ in BREAKDOWN) for m in ranks]
+    div, unit = _unit(max(totals))
+    bottom = [0.0] * len(ranks)
+    for key, name in BREAKDOWN:
+        vals = [(m.get(key) or 0) / div for m in ranks]
+        ax1.bar(x, vals, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax1.set(xticks=list(x), xlabel="rank (tp, pp, dp)", ylabel=unit,
+            title=f"Model states + activations, step {record['step']}")
+    ax1.set_xticklabels(labels, fontsize=8)
+    ax1.legend(fontsize=8)
+    ax1.grid(axis="y", alpha=0.3)
+
+    present = [(k, n) for k, n in MEASURED if any(m.get(k) is not None for m in ranks)]
+    if present:
+        div2, unit2 = _unit(max((m.get(k) or 0) for m in ranks for k, _ in present))
+        width = 0.8 / len(present)
+        for i, (key, name) in enumerate(present):
+            ax2.bar([j + (i - (len(present) - 1) / 2) * width for j in x],
+                    [(m.get(key) or 0) / div2 for m in ranks], width, label=name)
+        ax2.set(ylabel=unit2)
+        ax2.legend(fontsize=8)
+    else:
+        ax2.text(0.5, 0.5, "nothing measured", ha="center", va="center", transform=ax2.transAxes)
+    ax2.set(xticks=list(x), xlabel="rank (tp, pp, dp)", title="Measured (device allocator / process)")
+    ax2.set_xticklabels(labels, fontsize=8)
+    ax2.grid(axis="y", alpha=0.3)
+    path = out / "memory.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_throughput(records: list[dict[str, Any]], out: Path) -> Path:
+    """Tokens/s, TFLOP/s per GPU, and MFU/HFU (in %) per logged step."""
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    axes[0].plot(*_series(records, "tokens_per_s"), marker=".")
+    axes[0].set(title="Throughput", ylabel="tokens/s")
+    axes[1].plot(*_series(records, "tflops_per_gpu"), marker=".")
+    axes[1].set(title="Model TFLOP/s per GPU", ylabel="TFLOP/s")
+    drawn = False
+    for key in ("mfu", "hfu"):
+        steps, vals = _series(records, key)
+        if steps:
+            axes[2].plot(steps, [100 * v for v in vals], marker=".", label=key.upper())
+            drawn = True
+    if drawn:
+        axes[2].legend()
+    else:
+        axes[2].text(0.5, 0.5, "MFU n/a: peak FLOP/s unknown\n(set MEGAZERO_PEAK_TFLOPS)", ha="center",
+                     va="center", transform=axes[2].transAxes)
+    axes[2].set(title="MFU / HFU", ylabel="% of peak")
+    for ax in axes:
+        ax.set(xlabel="step")
+        ax.grid(alpha=0.3)
+    path = out / "throughput.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="tools/plot_metrics.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("log_dir", help="a run's --log-dir (or its metrics.jsonl)")
+    p.add_argument("--out", help="output directory (default: LOG_DIR/plots)")
+    p.add_argument("--step", type=int, help="step whose per-rank memory to plot (default: the last logged)")
+    args = p.parse_args(argv)
+    try:
+        records = load_records(args.log_dir)
+    except (OSError, ValueError) as e:
+        p.error(str(e))
+    src = Path(args.log_dir)
+    out = Path(args.out) if args.out else (src if src.is_dir() else src.parent) / "plots"
+    out.mkdir(parents=True, exist_ok=True)
+    mem = [r for r in records if r.get("memory") and (args.step is None or r["step"] == args.step)]
+    if not mem:
+        p.error(f"no record with per-rank memory{f' at step {args.step}' if args.step is not None else ''}")
+    for path in (plot_loss(records, out), plot_memory(mem[-1], out), plot_throughput(records, out)):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
