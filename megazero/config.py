@@ -566,9 +566,6 @@ def _check_not_yet_supported(cfg: Config) -> None:
     # Pipeline parallelism (any --pp-schedule / --virtual-stages; both are ignored at --pp 1): pipeline/ issue.
     if cfg.parallel.pp_size > 1:
         missing.append("--pp > 1 (pipeline parallelism)")
-    # ZeRO stages 1-3: lifted by the zero/ optimizer (stages 1-2) and zero/stage3.py issues.
-    if cfg.zero.stage > 0:
-        missing.append(f"--zero-stage {cfg.zero.stage} (zero_optimization.stage)")
     # CPU offload: lifted by the zero/offload.py issue.
     if cfg.zero.offload_optimizer is not None or cfg.zero.offload_param is not None:
         missing.append("zero_optimization.offload_optimizer/offload_param (CPU offload)")
@@ -576,9 +573,6 @@ def _check_not_yet_supported(cfg: Config) -> None:
     ac = cfg.activation_checkpointing
     if ac.mode != "none" or ac.partition_activations or ac.cpu_checkpointing:
         missing.append(f"--activation-checkpointing {ac.mode}")
-    # fp16: lifted by the zero/loss_scaler.py issue (dynamic loss scaling).
-    if cfg.training.precision == "fp16":
-        missing.append("--precision fp16 (fp16.enabled; bf16 and fp32 work)")
     # Checkpointing: lifted by the checkpoint.py issue (sharded save/load with a manifest).
     if cfg.training.save is not None or cfg.training.load is not None:
         missing.append("--save/--load (checkpointing)")

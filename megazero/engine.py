@@ -63,6 +63,7 @@ class Engine:
             norm_group=ctx.mp_group,
             norm_counted=grad_norm_weights(self.model, ctx.tp_rank),
             precision=cfg.training.precision,
+            loss_scale_cfg=cfg.loss_scale,
         )
         self.step = 0  # optimizer steps taken
 

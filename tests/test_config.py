@@ -344,8 +344,6 @@ def test_resolve_optimizer_name_must_match_decoupling() -> None:
 @pytest.mark.parametrize("argv, world, feature", [
     (["--tp", "2"], 2, "--tp > 1"),
     (["--pp", "2"], 2, "--pp > 1"),
-    (["--zero-stage", "1"], 1, "--zero-stage 1"),
-    (["--precision", "fp16"], 1, "--precision fp16"),
     (["--activation-checkpointing", "full"], 1, "--activation-checkpointing full"),
     (["--save", "ck"], 1, "--save/--load"),
     (["--tp", "2", "--sequence-parallel"], 2, "--sequence-parallel"),
