@@ -56,37 +56,51 @@ def padded_vocab_size(vocab_size: int, tp_size: int, pad_multiple: int = 128) ->
     return math.ceil(vocab_size / chunk) * chunk
 
 
-def stage_layers(num_layers: int, pp_size: int) -> list[range]:
-    """Contiguous layer ranges per pipeline stage: equal shares, the first ``num_layers % pp_size`` stages one more.
+def stage_layers(num_layers: int, pp_size: int, layout: Sequence[int] | None = None) -> list[range]:
+    """Contiguous layer ranges per pipeline stage, as :mod:`megazero.pipeline.partition` splits them.
 
-    This is the split the estimator assumes until ``megazero/pipeline/partition.py`` defines its own; pass
-    ``layers`` to :func:`rank_parameter_numels` / :func:`activation_bytes` for any other split.
+    Balanced by default (sizes differ by at most one, the later stages take the extra layers); ``layout``
+    gives each stage's layer count (``--pp-layout``).
     """
-    if not 1 <= pp_size <= num_layers:
-        raise ValueError(f"--pp {pp_size} needs 1 <= pp <= --num-layers {num_layers}")
-    base, extra = divmod(num_layers, pp_size)
-    out, start = [], 0
-    for r in range(pp_size):
-        n = base + (r < extra)
-        out.append(range(start, start + n))
-        start += n
-    return out
+    if layout is not None:
+        if len(layout) != pp_size or sum(layout) != num_layers or min(layout) < 1:
+            raise ValueError(f"layout {list(layout)} must give each of {pp_size} stages >= 1 layer, "
+                             f"{num_layers} in all")
+        sizes = list(layout)
+    else:
+        if not 1 <= pp_size <= num_layers:
+            raise ValueError(f"--pp {pp_size} needs 1 <= pp <= --num-layers {num_layers}")
+        base, extra = divmod(num_layers, pp_size)
+        sizes = [base + (r >= pp_size - extra) for r in range(pp_size)]
+    starts = [sum(sizes[:r]) for r in range(pp_size)]
+    return [range(a, a + n) for a, n in zip(starts, sizes)]
 
 
 def rank_parameter_numels(model: ModelConfig, tp_size: int = 1, pp_size: int = 1, pp_rank: int = 0,
-                          layers: range | None = None) -> dict[str, int]:
+                          layers: range | None = None, virtual_stages: int = 1,
+                          layout: Sequence[int] | None = None) -> dict[str, int]:
     """Element count of every parameter one rank holds, by the model's parameter name (Ψ_r is their sum).
 
     The first stage holds the token and position embeddings, the last the final LayerNorm and the tied token
     embedding (its own copy when pp > 1); column-parallel weights and biases and the vocabulary are split over
-    TP, the rest is replicated in full.
+    TP, the rest is replicated in full. With ``virtual_stages`` V > 1 the rank holds chunks ``c * pp + rank``
+    of ``pp * V`` stages, named ``"{c}.{name}"`` as in an ``nn.ModuleList`` of chunks.
     """
+    if virtual_stages > 1:
+        total = pp_size * virtual_stages
+        ranges = stage_layers(model.num_layers, total, layout)
+        out: dict[str, int] = {}
+        for c in range(virtual_stages):
+            v = c * pp_size + pp_rank
+            chunk = rank_parameter_numels(model, tp_size, total, v, ranges[v])
+            out.update({f"{c}.{k}": n for k, n in chunk.items()})
+        return out
     h, t = model.hidden_size, tp_size
     if model.num_heads % t or h % t:
         raise ValueError(f"--num-heads {model.num_heads} and --hidden-size {h} must be divisible by --tp {t}")
-    layers = stage_layers(model.num_layers, pp_size)[pp_rank] if layers is None else layers
+    layers = stage_layers(model.num_layers, pp_size, layout)[pp_rank] if layers is None else layers
     first, last = pp_rank == 0, pp_rank == pp_size - 1
-    out: dict[str, int] = {}
+    out = {}
     if first or last:
         out["wte.weight"] = padded_vocab_size(model.vocab_size, t) // t * h
     if first:
@@ -186,9 +200,8 @@ def activation_bytes(model: ModelConfig, micro_batch: int, *, tp_size: int = 1, 
     Per layer, with ``e`` bytes per element of the compute dtype and ``sbh`` = sequence x micro-batch x hidden:
 
     * LayerNorm inputs ``2e·sbh`` and their mean/rstd ``4e·sb`` (divided by t with SP);
-    * inputs of the column-parallel layers (qkv, fc) ``2e·sbh``: replicated over TP, and also full with SP,
-      because ``ColumnParallelLinear`` saves its all-gathered input (Megatron saves the shard and gathers
-      again in backward, which is where the paper's ``34/t`` comes from);
+    * inputs of the column-parallel layers (qkv, fc) ``2e·sbh``: replicated over TP; with SP only the sequence
+      shard is saved and gathered again in backward (as Megatron-LM does), ``2e·sbh/t``;
     * TP-sharded tensors ``12e·sbh/t``: q, k, v (3), attention output = projection input (1), GELU input (4)
       and the second MLP input (4) -- the paper's 24/t in 16 bits;
     * attention core: fused (flash/efficient SDPA, no dropout in the kernel's memory) ``4·asb/t`` for the fp32
@@ -197,7 +210,7 @@ def activation_bytes(model: ModelConfig, micro_batch: int, *, tp_size: int = 1, 
       in the compute dtype.
 
     The first stage adds the token ids (and the vocab-parallel lookup's masked ids and mask), the last the
-    final LayerNorm, the LM head's (gathered) input, the fp32 softmax of the cross-entropy over this rank's
+    final LayerNorm, the LM head's input (a sequence shard with SP), the fp32 softmax of the cross-entropy over this rank's
     vocabulary slice and the targets. Full checkpointing keeps each layer's input (``e·sbh``, /t with SP) and
     recomputes one layer at a time in backward (its activations counted once); selective checkpointing
     recomputes the attention core.
@@ -219,7 +232,7 @@ def activation_bytes(model: ModelConfig, micro_batch: int, *, tp_size: int = 1, 
         core = e * a * s * sb / t + ((1 + e) * a * s * sb / t if drop else 0)
     if checkpointing == "selective":
         core = 4 * a * sb / t if fused_attention else 0.0
-    layer = (2 * e * sbh + 4 * e * sb) / sp + 2 * e * sbh + 12 * e * sbh / t + core + (2 * sbh / sp if drop else 0)
+    layer = (4 * e * sbh + 4 * e * sb) / sp + 12 * e * sbh / t + core + (2 * sbh / sp if drop else 0)
     total = n_layers * layer
     if checkpointing == "full":
         total = n_layers * e * sbh / sp + (layer if n_layers else 0)
@@ -229,7 +242,7 @@ def activation_bytes(model: ModelConfig, micro_batch: int, *, tp_size: int = 1, 
         total += sbh / sp if drop else 0
     if last_stage:
         v_local = padded_vocab_size(model.vocab_size, t) // t
-        total += (e * sbh + 2 * e * sb) / sp + e * sbh  # final LayerNorm input and stats, LM-head input
+        total += (2 * e * sbh + 2 * e * sb) / sp  # final LayerNorm input and stats, LM-head input
         total += 4 * sb * v_local  # fp32 softmax / log-softmax over this rank's vocabulary slice
         total += 8 * sb + (4 if t == 1 else 2 * sb)  # targets; loss bookkeeping (ignore/outside masks)
     return total

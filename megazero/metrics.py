@@ -48,7 +48,7 @@ class ActivationMemoryCounter:
     """Measures activation memory as the bytes autograd saves for backward, through saved-tensor hooks.
 
     Saved tensors are de-duplicated by storage (a view counts its whole storage once, since that is what stays
-    alive) and parameters are left out (they are model states). ``last`` is what one tracked forward saved;
+    alive) and parameters and their views are left out (they are model states). ``last`` is what one tracked forward saved;
     ``peak`` the largest of all tracked forwards since :meth:`reset_peak`.
     """
 
@@ -66,7 +66,9 @@ class ActivationMemoryCounter:
         seen: dict[int, int] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            if not isinstance(t, nn.Parameter):
+            # a parameter, or a view of one (``weight.t()`` inside linear); the view test also covers ZeRO-3,
+            # whose parameters live in storages gathered during the forward, unknown when tracking starts
+            if not isinstance(t, nn.Parameter) and not isinstance(t._base, nn.Parameter):
                 storage = t.untyped_storage()
                 ptr = storage.data_ptr()
                 if ptr not in params and ptr not in seen:
