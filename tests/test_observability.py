@@ -7,6 +7,7 @@ padding (1%), activations against the saved-tensor counter. The same runs feed t
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -31,11 +32,13 @@ from tests.dist import run_world
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# world size and grid per topology; add {"world": 4, "tp": 1, "pp": 2} here once pipeline parallelism lands
+# world size and grid per topology (one gloo world each)
 TOPOLOGIES = {
     "tp1-dp2": {"world": 2, "tp": 1, "pp": 1},
     "tp2-dp2": {"world": 4, "tp": 2, "pp": 1},
 }
+if importlib.util.find_spec("megazero.pipeline.executor") is not None:  # pipeline parallelism has landed
+    TOPOLOGIES["pp2-dp2"] = {"world": 4, "tp": 1, "pp": 2}
 # (run name, ZeRO stage, precision): every stage in bf16 (with an fp32 master), two in fp32 (no master copy)
 RUNS = [("s0-bf16", 0, "bf16"), ("s1-bf16", 1, "bf16"), ("s2-bf16", 2, "bf16"), ("s3-bf16", 3, "bf16"),
         ("s1-fp32", 1, "fp32"), ("s3-fp32", 3, "fp32")]
