@@ -159,7 +159,7 @@ def test_records_have_every_key_and_measure_on_cpu(world):
     """Every logged step has DESIGN.md's keys; each rank's coordinates, RSS and activations are filled."""
     topology, runs = world
     grid = TOPOLOGIES[topology]
-    cfg, records, _ = runs["s2-bf16"]
+    cfg, records, _ = runs["s1-bf16"]
     assert [r["step"] for r in records] == [1, 2]
     for r in records:
         for key in ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_s", "tflops_per_gpu", "mfu", "hfu",
