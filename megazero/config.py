@@ -100,6 +100,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
     virtual_stages: int = 1
+    pp_layout: list[int] | None = None  # layers per (virtual) stage; None: balanced
     backend: str | None = None  # None: nccl on CUDA, gloo on CPU
     dist_timeout_s: float = 300.0
 
@@ -256,6 +257,13 @@ def _get(cfg: Config, path: str) -> Any:
     return obj
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 3,3,2, got {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``pretrain/gpt.py``.
 
@@ -289,6 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "--pp-schedule", "parallel.pp_schedule", "pipeline schedule", choices=_PP_SCHEDULES)
     add(g, "--virtual-stages", "parallel.virtual_stages", "model chunks per rank (interleaved schedule)",
         type=int)
+    add(g, "--pp-layout", "parallel.pp_layout", "layers per (virtual) pipeline stage, e.g. 3,3,2; None: balanced",
+        type=_int_list, metavar="N,N,...")
     add(g, "--zero-stage", "zero.stage", "ZeRO stage: 1 optimizer states, 2 +gradients, 3 +parameters",
         type=int, choices=(0, 1, 2, 3))
     add(g, "--activation-checkpointing", "activation_checkpointing.mode", "recompute activations in backward",
@@ -460,6 +470,10 @@ def resolve_config(cfg: Config, world_size: int) -> Config:
     _require(m.num_layers >= chunks, f"--num-layers {m.num_layers} is fewer than the {chunks} pipeline chunks "
              f"(--pp {p.pp_size} x --virtual-stages {p.virtual_stages}); every chunk needs a layer, so lower "
              f"--pp/--virtual-stages or add layers")
+    if p.pp_layout is not None:
+        _require(len(p.pp_layout) == chunks and sum(p.pp_layout) == m.num_layers and min(p.pp_layout) >= 1,
+                 f"--pp-layout {','.join(map(str, p.pp_layout))} needs {chunks} entries (one per pipeline chunk:"
+                 f" --pp x --virtual-stages), each >= 1, summing to --num-layers {m.num_layers}")
     _require(p.virtual_stages == 1 or p.pp_schedule == "interleaved",
              f"--virtual-stages {p.virtual_stages} needs --pp-schedule interleaved")
     _require(p.pp_schedule != "interleaved" or p.pp_size == 1 or p.virtual_stages >= 2,
@@ -563,9 +577,9 @@ def resolve_config(cfg: Config, world_size: int) -> Config:
 def _check_not_yet_supported(cfg: Config) -> None:
     """Refuse valid settings whose implementation has not landed; each line goes when its feature lands."""
     missing = []
-    # Pipeline parallelism (any --pp-schedule / --virtual-stages; both are ignored at --pp 1): pipeline/ issue.
-    if cfg.parallel.pp_size > 1:
-        missing.append("--pp > 1 (pipeline parallelism)")
+    # ZeRO-2/3 with pipelining: lifted when the tied embedding is partitioned alike on first and last stage.
+    if cfg.parallel.pp_size > 1 and cfg.zero.stage >= 2:
+        missing.append(f"--zero-stage {cfg.zero.stage} with --pp > 1")
     # CPU offload: lifted by the zero/offload.py issue.
     if cfg.zero.offload_optimizer is not None or cfg.zero.offload_param is not None:
         missing.append("zero_optimization.offload_optimizer/offload_param (CPU offload)")

@@ -158,6 +158,17 @@ class Group:
         self.ledger.record(self.name, "broadcast", tag, tensor.numel())
         dist.broadcast(tensor, src=self.ranks[src], group=self.process_group)
 
+    def isend(self, tensor: torch.Tensor, dst: int, msg_tag: int = 0, tag: str = "act"):
+        """Non-blocking send to group rank ``dst``; returns the work handle. Counts n (sends only)."""
+        self.ledger.record(self.name, "send", tag, tensor.numel())
+        op = dist.P2POp(dist.isend, tensor, self.ranks[dst], self.process_group, msg_tag)
+        return dist.batch_isend_irecv([op])[0]
+
+    def recv(self, tensor: torch.Tensor, src: int, msg_tag: int = 0) -> None:
+        """Blocking receive from group rank ``src`` into ``tensor``."""
+        op = dist.P2POp(dist.irecv, tensor, self.ranks[src], self.process_group, msg_tag)
+        dist.batch_isend_irecv([op])[0].wait()
+
     def barrier(self) -> None:
         if self.size > 1:
             dist.barrier(group=self.process_group)

@@ -1,12 +1,18 @@
-"""One training step: the recipe that composes the model, the ZeRO optimizer and (later) the pipeline schedule.
+"""One training step: the recipe that composes the model, the ZeRO optimizer and the pipeline schedule.
 
-The recipe, in order: build this rank's model (its TP shard of its pipeline stage) -> initialise it from the
-seed so every topology starts from the same weights -> wrap it in the ZeRO optimizer over the DP group ->
-each step, run the micro-batches and let the optimizer reduce, clip and update.
+The recipe, in order:
+
+1. build this rank's model chunks: its TP shard of its pipeline stage (of each virtual stage it runs);
+2. initialise them from the seed by unsharded parameter name, so every topology starts from the same weights;
+3. wrap them in the ZeRO optimizer over the DP group;
+4. each step, run the pipeline schedule over the micro-batches (with one stage: forward/backward per
+   micro-batch), sum the tied embedding's gradient over its two copies (first and last stage), and let the
+   optimizer reduce, clip and update.
 
 The loss of a step is the token-weighted mean over the whole global batch (all micro-batches, all DP ranks):
 each micro-batch contributes ``sum(per-token loss) / tokens_in_global_batch`` to the gradient, so the summed
-gradient over DP ranks equals the single-process gradient of the mean.
+gradient over DP ranks equals the single-process gradient of the mean. It is computed on the last stage and
+broadcast along the pipeline, so every rank reports the same number.
 """
 
 from __future__ import annotations
@@ -14,15 +20,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from megazero.config import Config
 from megazero.lr_schedule import lr_at
-from megazero.metrics import ActivationMemoryCounter
-from megazero.model.gpt import GPT, init_parameters
+from megazero.model.gpt import GPT, full_state_dict, init_parameters
 from megazero.parallel_context import ParallelContext
+from megazero.pipeline.executor import PipelineExecutor
+from megazero.pipeline.p2p import PipelineP2P
+from megazero.pipeline.partition import stage_specs
+from megazero.pipeline.schedules import build_schedule
 from megazero.tensor_parallel import IGNORE_INDEX
+from megazero.tensor_parallel.layers import VOCAB_PAD_MULTIPLE, pad_size
 from megazero.tensor_parallel.random import RNGTracker
-from megazero.zero.optimizer import ZeroOptimizer, grad_norm_weights
+from megazero.zero.optimizer import PRECISION_DTYPES, ZeroOptimizer, grad_norm_weights
 
 __all__ = ["Engine", "StepResult"]
 
@@ -39,77 +50,137 @@ class StepResult:
     skipped: bool
     tokens: int  # tokens in the global batch
     micro_batches: int
+    peak_in_flight: float = 1.0  # most micro-batches whose activations this rank held at once
 
 
 class Engine:
-    """Builds this rank's model and optimizer from a resolved :class:`Config` and runs training steps."""
+    """Builds this rank's model chunks and optimizer from a resolved :class:`Config` and runs steps."""
 
     def __init__(self, cfg: Config, ctx: ParallelContext, device: torch.device | None = None) -> None:
         self.cfg = cfg
         self.ctx = ctx
         self.device = device or torch.device("cpu")
-        if ctx.pp_size != 1:
-            raise NotImplementedError("pipeline parallelism (--pp > 1) is not supported yet")
+        p, m = cfg.parallel, cfg.model
+        self.schedule = p.pp_schedule if ctx.pp_size > 1 else "1f1b"
+        self.virtual_stages = p.virtual_stages if self.schedule == "interleaved" else 1
+        self.specs = stage_specs(m.num_layers, ctx.pp_size, ctx.pp_rank, self.virtual_stages, p.pp_layout)
         self.rng_tracker = RNGTracker(cfg.training.seed, ctx.tp_rank, self.device)
-        self.model = GPT(cfg.model, ctx.tp_group, sequence_parallel=cfg.parallel.sequence_parallel,
-                         rng_tracker=self.rng_tracker).to(self.device)
-        init_parameters(self.model, cfg.training.seed, ctx.tp_group)
-        self.activations = ActivationMemoryCounter(self.model)
+        self.chunks = [
+            GPT(m, ctx.tp_group, layers=s.layers, pre_process=s.pre_process, post_process=s.post_process,
+                sequence_parallel=p.sequence_parallel, rng_tracker=self.rng_tracker).to(self.device)
+            for s in self.specs
+        ]
+        for chunk in self.chunks:
+            init_parameters(chunk, cfg.training.seed, ctx.tp_group)
+        # the tied embedding's second copy (last stage, pp > 1): summed with the first, counted once in the norm
+        self.tied = [c.wte.weight for c in self.chunks if hasattr(c, "wte")] if ctx.pp_size > 1 else []
+        self.model = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
+        norm_counted = grad_norm_weights(self.model, ctx.tp_rank)
+        for chunk in self.chunks:
+            if chunk.post_process and not chunk.pre_process and ctx.pp_size > 1:
+                norm_counted[chunk.wte.weight] = False
         self.optimizer = ZeroOptimizer(
-            self.model,
-            cfg.zero,
-            cfg.optimizer,
-            dp_group=ctx.dp_group,
-            norm_group=ctx.mp_group,
-            norm_counted=grad_norm_weights(self.model, ctx.tp_rank),
-            precision=cfg.training.precision,
-            loss_scale_cfg=cfg.loss_scale,
+            self.model, cfg.zero, cfg.optimizer, dp_group=ctx.dp_group, norm_group=ctx.mp_group,
+            norm_counted=norm_counted, precision=cfg.training.precision, loss_scale_cfg=cfg.loss_scale,
         )
+        p2p = None
+        if ctx.pp_size > 1:
+            seq = m.seq_len // ctx.tp_size if p.sequence_parallel else m.seq_len
+            shape = (cfg.training.micro_batch_size, seq, m.hidden_size)
+            p2p = PipelineP2P(ctx.pp_group, shape, PRECISION_DTYPES[cfg.training.precision], self.device,
+                              self.virtual_stages)
+        self.executor = PipelineExecutor(self.chunks, self.specs, p2p, ctx.pp_rank, ctx.pp_size, self.device)
+        self.activation_peak_bytes = 0  # most saved-activation bytes held at once, over all steps
         self.step = 0  # optimizer steps taken
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return pad_size(self.cfg.model.vocab_size, VOCAB_PAD_MULTIPLE * self.ctx.tp_size)
 
     def lr(self, step: int | None = None) -> float:
         t = self.cfg.training
         return lr_at(self.step if step is None else step, self.cfg.scheduler, self.cfg.optimizer.lr, t.train_steps)
 
-    def _global_tokens(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
+    def _global_tokens(self, micro_batches: list[MicroBatch]) -> float:
         local = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro_batches)
         n = torch.tensor([float(local)], dtype=torch.float64)
         self.ctx.dp_group.all_reduce(n, tag="loss")
-        return n
+        return n.item()
+
+    def _global_loss(self, loss_sum: torch.Tensor, tokens: float) -> float:
+        """Sum over DP ranks of the last stage, then broadcast along the pipeline from the last stage."""
+        total = loss_sum.reshape(1).clone()
+        self.ctx.dp_group.all_reduce(total, tag="loss")
+        self.ctx.pp_group.broadcast(total, src=self.ctx.pp_size - 1, tag="loss")
+        return (total / tokens).item()
+
+    def _sync_tied_gradients(self) -> None:
+        """Sum the tied embedding's gradient over its copies on the first and last pipeline stage."""
+        for w in self.tied:
+            self.ctx.embedding_group.all_reduce(w.grad, tag="tied")
+
+    @torch.no_grad()
+    def check_tied_embeddings(self, rtol: float = 1e-6) -> float:
+        """Verify that the first and last stage hold the same tied embedding; raise on every rank if not.
+
+        A collective over the whole world (so no rank waits for a peer that raised); returns the relative
+        difference ``||E_last - E_first|| / ||E_first||`` (0 without pipelining).
+        """
+        if self.ctx.pp_size == 1:
+            return 0.0
+        rel = torch.zeros(1, dtype=torch.float64)
+        with self.optimizer.gathered_parameters():
+            for w in self.tied:
+                first, last = self.ctx.embedding_group.all_gather_list(w.detach().double().contiguous())
+                rel[0] = max(rel[0].item(), ((last - first).norm() / first.norm().clamp_min(1e-30)).item())
+        self.ctx.world_group.all_reduce(rel, op="max")
+        if rel.item() > rtol:
+            raise RuntimeError(
+                f"the tied word embedding differs between the first and last pipeline stage (relative difference"
+                f" {rel.item():.3e} > {rtol:g}): its two copies must receive the same summed gradient and update;"
+                " a checkpoint or custom code changed one copy only")
+        return rel.item()
 
     def train_step(self, micro_batches: list[MicroBatch]) -> StepResult:
         """One optimizer step over this DP rank's micro-batches of the global batch."""
-        self.model.train()
+        for chunk in self.chunks:
+            chunk.train()
         opt = self.optimizer
         opt.zero_grad()
-        global_tokens = self._global_tokens(micro_batches)
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        for x, y in micro_batches:
-            x, y = x.to(self.device), y.to(self.device)
-            with self.activations.track():
-                per_token = self.model(x, y)  # [B, S] fp32
-            mb_sum = per_token.sum()
-            opt.backward(mb_sum / global_tokens.item())
-            loss_sum += mb_sum.detach().double().cpu()
-        self.ctx.dp_group.all_reduce(loss_sum, tag="loss")
+        tokens = self._global_tokens(micro_batches)
+        actions = build_schedule(self.schedule, self.ctx.pp_size, self.ctx.pp_rank, len(micro_batches),
+                                 self.virtual_stages)
+        stats = self.executor.run(actions, micro_batches, tokens, opt.backward)
+        self.activation_peak_bytes = max(self.activation_peak_bytes, stats.peak_activation_bytes)
+        loss = self._global_loss(stats.loss_sum, tokens)
+        self._sync_tied_gradients()
         lr = self.lr()
-        stats = opt.step(lr)
+        step_stats = opt.step(lr)
         self.ctx.ledger.mark_step()
         self.step += 1
         return StepResult(
-            step=self.step, loss=(loss_sum / global_tokens).item(), lr=lr, grad_norm=stats.grad_norm,
-            loss_scale=stats.loss_scale, skipped=stats.skipped, tokens=int(global_tokens.item()),
-            micro_batches=len(micro_batches),
+            step=self.step, loss=loss, lr=lr, grad_norm=step_stats.grad_norm, loss_scale=step_stats.loss_scale,
+            skipped=step_stats.skipped, tokens=int(tokens), micro_batches=len(micro_batches),
+            peak_in_flight=stats.peak_in_flight,
         )
 
     @torch.no_grad()
     def eval_loss(self, micro_batches: list[MicroBatch]) -> float:
-        """Token-weighted mean loss over this DP rank's micro-batches, reduced over the DP group."""
-        self.model.eval()
-        totals = torch.zeros(2, dtype=torch.float64)
-        for x, y in micro_batches:
-            per_token = self.model(x.to(self.device), y.to(self.device))
-            totals[0] += per_token.sum().double().cpu()
-            totals[1] += int((y != IGNORE_INDEX).sum())
-        self.ctx.dp_group.all_reduce(totals, tag="loss")
-        return (totals[0] / totals[1]).item()
+        """Token-weighted mean loss over the global batch, run through the pipeline without a graph."""
+        for chunk in self.chunks:
+            chunk.eval()
+        tokens = self._global_tokens(micro_batches)
+        actions = build_schedule("gpipe", self.ctx.pp_size, self.ctx.pp_rank, len(micro_batches),
+                                 self.virtual_stages)
+        with self.optimizer.gathered_parameters():
+            stats = self.executor.run(actions, micro_batches, tokens, backward=None)
+        return self._global_loss(stats.loss_sum, tokens)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters, unsharded over TP, in fp32 (a collective over the TP and, at stage 3, DP
+        groups). Merge the dicts of every pipeline rank for the whole model."""
+        out: dict[str, torch.Tensor] = {}
+        with self.optimizer.gathered_parameters():
+            for chunk in self.chunks:
+                out.update(full_state_dict(chunk, self.ctx.tp_group))
+        return out

@@ -92,7 +92,8 @@ class RankGrid:
                 for d in range(self.dp_size)]
 
     def embedding_groups(self) -> list[list[int]]:
-        """First and last pipeline stage at equal (dp, tp): the two copies of the tied embedding."""
+        """First and last pipeline stage at equal (dp, tp): the two copies of the tied embedding (middle stages
+        are in no embedding group)."""
         last = self.pp_size - 1
         return [sorted({self.rank_of(0, d, t), self.rank_of(last, d, t)})
                 for d in range(self.dp_size) for t in range(self.tp_size)]
@@ -125,7 +126,7 @@ class ParallelContext:
         self.dp_group = groups["dp"]
         self.pp_group = groups["pp"]
         self.mp_group = groups["mp"]
-        self.embedding_group = groups["embedding"]
+        self.embedding_group: Group | None = groups.get("embedding")  # None on middle pipeline stages
         self.world_group = groups["world"]
 
     @classmethod

@@ -27,7 +27,6 @@ from megazero.metrics import (
     rank_memory_record,
     throughput,
 )
-from megazero.model.gpt import full_state_dict
 from megazero.parallel_context import ParallelContext
 
 __all__ = ["TrainSummary", "run_training", "wandb_mode"]
@@ -39,7 +38,8 @@ class TrainSummary:
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     seconds: float = 0.0
     tokens: int = 0
-    final_state: dict[str, torch.Tensor] | None = None  # full (TP-unsharded) fp32 parameters, when asked for
+    # this rank's parameters unsharded over TP (fp32), when asked for; merge pipeline ranks for the whole model
+    final_state: dict[str, torch.Tensor] | None = None
 
 
 def wandb_mode(requested: str | None) -> str:
@@ -80,7 +80,7 @@ def _init_wandb(cfg: Config, ctx: ParallelContext) -> Any | None:
 def _step_record(cfg: Config, ctx: ParallelContext, engine: Engine, res: StepResult, step_seconds: float,
                  eval_loss: float | None) -> dict[str, Any] | None:
     """Gather every rank's memory and comm records (a collective) and build the metrics.jsonl object on rank 0."""
-    memory = rank_memory_record(ctx.coords(), engine.optimizer.model_state_bytes(), engine.activations.peak,
+    memory = rank_memory_record(ctx.coords(), engine.optimizer.model_state_bytes(), engine.activation_peak_bytes,
                                 engine.device)
     comm = {"rank": ctx.rank, "volume_elements_per_step": ctx.ledger.dp_volume_last_step(),
             "breakdown": ctx.ledger.breakdown_last_step()}
@@ -89,7 +89,7 @@ def _step_record(cfg: Config, ctx: ParallelContext, engine: Engine, res: StepRes
         return None
     m = cfg.model
     speed = throughput(res.tokens, m.seq_len, step_seconds, ctx.world_size, m.num_layers, m.hidden_size,
-                       engine.model.padded_vocab_size, cfg.activation_checkpointing.mode,
+                       engine.padded_vocab_size, cfg.activation_checkpointing.mode,
                        peak_flops_per_device(cfg.training.precision, engine.device))
     return {
         "step": res.step, "loss": res.loss, "eval_loss": eval_loss, "lr": res.lr, "grad_norm": res.grad_norm,
@@ -125,11 +125,12 @@ def run_training(cfg: Config, ctx: ParallelContext, device: torch.device | None 
     n_params = sum(p.numel() for p in engine.model.parameters())
     log.info("model %s: %d layers, hidden %d, %d heads, seq %d, vocab %d (padded %d); %.2fM parameters on rank 0",
              cfg.model_preset, m.num_layers, m.hidden_size, m.num_heads, m.seq_len, m.vocab_size,
-             engine.model.padded_vocab_size, n_params / 1e6)
+             engine.padded_vocab_size, n_params / 1e6)
     log.info("topology tp=%d pp=%d dp=%d, ZeRO stage %d, %s; global batch %d = micro %d x accumulation %d x dp %d;"
              " %d training samples of %d tokens", ctx.tp_size, ctx.pp_size, ctx.dp_size, cfg.zero.stage,
              t.precision, t.global_batch_size, t.micro_batch_size, t.gradient_accumulation_steps, ctx.dp_size,
              len(train_ds), m.seq_len)
+    engine.check_tied_embeddings()
     eval_batches = _eval_batches(cfg, ctx, eval_ds) if eval_ds is not None and t.eval_interval > 0 else []
     writer = MetricsWriter(cfg.logging.log_dir, enabled=ctx.rank == 0, wandb_run=_init_wandb(cfg, ctx))
     bar = None
@@ -152,6 +153,7 @@ def run_training(cfg: Config, ctx: ParallelContext, device: torch.device | None 
             eval_loss = None
             if eval_batches and (step % t.eval_interval == 0 or step == t.train_steps):
                 eval_loss = sum(engine.eval_loss(b) for b in eval_batches) / len(eval_batches)
+                engine.check_tied_embeddings()
                 summary.eval_losses.append((step, eval_loss))
             if not math.isfinite(res.loss):
                 raise FloatingPointError(f"loss is {res.loss} at step {step}; lower --lr or use --clip-grad")
@@ -177,9 +179,10 @@ def run_training(cfg: Config, ctx: ParallelContext, device: torch.device | None 
         if bar is not None:
             bar.close()
         writer.close()
+    engine.check_tied_embeddings()
     summary.seconds = time.perf_counter() - start
     log.info("trained %d steps in %.1fs (%s tokens); loss %.4f -> %.4f", t.train_steps, summary.seconds,
              f"{summary.tokens:,}", summary.losses[0], summary.losses[-1])
     if keep_final_state:
-        summary.final_state = full_state_dict(engine.model, ctx.tp_group)
+        summary.final_state = engine.full_state_dict()
     return summary

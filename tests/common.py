@@ -15,13 +15,27 @@ REFERENCE_FLAGS = ["--micro-batch-size", "8"]  # one process, the global batch o
 
 
 def train_runs(ctx, runs: list[list[str]], cache: str, log_dir: str) -> list[tuple[list[float], dict | None]]:
-    """Train each flag set in turn in this world; rank 0 returns (losses, full fp32 state), others (losses, None)."""
+    """Train each flag set in turn in this world. Each rank returns (losses, state): its pipeline stage's full
+    fp32 parameters on ranks with tp_rank = dp_rank = 0, None elsewhere. See :func:`merge_runs`."""
     out = []
     for i, flags in enumerate(runs):
         cfg = parse_args([*SMALL_FLAGS, *flags, "--cache-dir", cache, "--log-dir", f"{log_dir}/{ctx.world_size}-{i}"])
         s = run_training(cfg.resolve(ctx.world_size), ctx, keep_final_state=True)
-        out.append((s.losses, s.final_state if ctx.rank == 0 else None))
+        out.append((s.losses, s.final_state if ctx.tp_rank == 0 and ctx.dp_rank == 0 else None))
     return out
+
+
+def merge_runs(results: list) -> list[tuple[list[float], dict]]:
+    """Per run: rank 0's losses and the whole model's state merged over pipeline stages (first copy wins)."""
+    merged = []
+    for i in range(len(results[0])):
+        state: dict[str, torch.Tensor] = {}
+        for rank_result in results:
+            part = rank_result[i][1]
+            for k, v in (part or {}).items():
+                state.setdefault(k, v)
+        merged.append((results[0][i][0], state))
+    return merged
 
 
 def normwise_error(state: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:

@@ -342,11 +342,9 @@ def test_resolve_optimizer_name_must_match_decoupling() -> None:
 
 
 @pytest.mark.parametrize("argv, world, feature", [
-    (["--tp", "2"], 2, "--tp > 1"),
-    (["--pp", "2"], 2, "--pp > 1"),
+    (["--pp", "2", "--zero-stage", "2"], 2, "--zero-stage 2 with --pp > 1"),
     (["--activation-checkpointing", "full"], 1, "--activation-checkpointing full"),
     (["--save", "ck"], 1, "--save/--load"),
-    (["--tp", "2", "--sequence-parallel"], 2, "--sequence-parallel"),
 ])
 def test_not_yet_supported_features(argv: list[str], world: int, feature: str) -> None:
     with pytest.raises(ConfigError, match=rf"{feature}.* is not supported yet"):

@@ -89,10 +89,10 @@ def test_heads_not_divisible_by_tp_fails_on_every_rank(subprocess_env):
 
 
 def _assert_rank_errors(r: subprocess.CompletedProcess, message: str) -> None:
-    """Each rank validates before any collective; torchrun may stop a peer once the first rank has exited."""
+    """Each rank validates before any collective, so each fails alone with the same message (torchrun may stop
+    a peer once the first rank has exited, before the peer prints)."""
     assert r.returncode != 0
     lines = [x for x in r.stderr.splitlines() if x.startswith("error (rank ")]
-    assert any(x.startswith("error (rank 0)") for x in lines), r.stderr
     assert lines and all(message in x for x in lines), r.stderr
 
 

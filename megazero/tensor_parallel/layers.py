@@ -62,6 +62,9 @@ class ShardSpec:
         raise ValueError(f"unknown init {self.init!r}")
 
 
+VOCAB_PAD_MULTIPLE = 128  # the vocabulary is padded to a multiple of this times the TP size
+
+
 def tp_size_rank(group: Group | None) -> tuple[int, int]:
     return (1, 0) if group is None else (group.size, group.rank)
 
@@ -213,7 +216,7 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, tp_group: Group | None, *, std: float = 0.02,
-                 pad_multiple: int = 128, sequence_parallel: bool = False) -> None:
+                 pad_multiple: int = VOCAB_PAD_MULTIPLE, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel

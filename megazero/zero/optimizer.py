@@ -178,10 +178,17 @@ class ZeroOptimizer:
         """Clear this step's gradients."""
         self.store.zero_grad()
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of one micro-batch's share of the global loss (scaled by the fp16 loss scale)."""
+    def backward(self, loss: torch.Tensor, grad: torch.Tensor | None = None) -> None:
+        """Backward of one micro-batch's share of the global loss (scaled by the fp16 loss scale).
+
+        On a pipeline stage before the last, ``loss`` is the stage's output and ``grad`` the gradient the
+        next stage sent back (already carrying the loss scale).
+        """
         self.store.start_backward()
-        (loss * self.scaler.scale if self.scaler is not None else loss).backward()
+        if grad is not None:
+            torch.autograd.backward(loss, grad)
+        else:
+            (loss * self.scaler.scale if self.scaler is not None else loss).backward()
         self.store.finish_backward()
 
     @property

@@ -1,0 +1,101 @@
+"""Runs one rank's schedule timeline: forward and backward of its model chunks, with point-to-point transfers.
+
+The same executor drives every topology: with one pipeline stage the 1F1B timeline is simply
+forward/backward per micro-batch. Activations a stage must keep for backward stay in a stash keyed by
+(micro-batch, chunk) from its forward until its backward; the executor counts how many micro-batches (and how
+many bytes of saved activations) are stashed at once, which is what the schedules' memory claims are about.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megazero.metrics import ActivationMemoryCounter
+from megazero.pipeline.p2p import PipelineP2P
+from megazero.pipeline.partition import StageSpec
+from megazero.pipeline.schedules import Action
+
+__all__ = ["PipelineExecutor", "RunStats"]
+
+MicroBatch = tuple[torch.Tensor, torch.Tensor]
+# backward(output, grad): grad None means ``output`` is this micro-batch's (scalar) share of the loss
+BackwardFn = Callable[[torch.Tensor, torch.Tensor | None], None]
+
+
+@dataclass
+class RunStats:
+    loss_sum: torch.Tensor  # sum of per-token losses this rank computed (last stage; 0 elsewhere), fp64
+    peak_in_flight: float  # most micro-batches stashed at once (chunks count 1/V each)
+    peak_activation_bytes: int  # most saved-activation bytes stashed at once
+
+
+class PipelineExecutor:
+    """Executes schedule timelines over this rank's model chunks."""
+
+    def __init__(self, chunks: list[nn.Module], specs: list[StageSpec], p2p: PipelineP2P | None,
+                 pp_rank: int, pp_size: int, device: torch.device) -> None:
+        self.chunks = chunks
+        self.specs = specs
+        self.p2p = p2p
+        self.pp_rank = pp_rank
+        self.pp_size = pp_size
+        self.device = device
+        self.counters = [ActivationMemoryCounter(c) for c in chunks]
+
+    def _next_chunk(self, chunk: int) -> int:
+        return chunk + (1 if self.pp_rank == self.pp_size - 1 else 0)
+
+    def _prev_chunk(self, chunk: int) -> int:
+        return chunk - (1 if self.pp_rank == 0 else 0)
+
+    def run(self, actions: list[Action], micro_batches: list[MicroBatch], loss_divisor: float,
+            backward: BackwardFn | None) -> RunStats:
+        """Run ``actions``; ``backward`` None runs the forwards only (evaluation, no graph kept)."""
+        v = len(self.chunks)
+        stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor, int]] = {}
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        live = peak = 0.0
+        live_bytes = peak_bytes = 0
+        for a in actions:
+            if backward is None and a.kind == "B":
+                continue
+            spec, chunk = self.specs[a.chunk], self.chunks[a.chunk]
+            if a.kind == "F":
+                x, y = micro_batches[a.micro_batch]
+                if spec.pre_process:
+                    inp = None
+                    arg = x.to(self.device)
+                else:
+                    inp = self.p2p.recv_forward(a.micro_batch, a.chunk)
+                    inp.requires_grad_(backward is not None)
+                    arg = inp
+                target = y.to(self.device) if spec.post_process else None
+                counter = self.counters[a.chunk]
+                with torch.set_grad_enabled(backward is not None), counter.track():
+                    out = chunk(arg, target)
+                if spec.post_process:
+                    loss_sum += out.detach().double().sum().cpu()
+                    out = out.sum() / loss_divisor
+                else:
+                    self.p2p.send_forward(out, a.micro_batch, self._next_chunk(a.chunk))
+                if backward is not None:
+                    stash[(a.micro_batch, a.chunk)] = (inp, out, counter.last)
+                    live += 1 / v
+                    live_bytes += counter.last
+                    peak, peak_bytes = max(peak, live), max(peak_bytes, live_bytes)
+            else:
+                inp, out, nbytes = stash.pop((a.micro_batch, a.chunk))
+                grad = None if spec.post_process else self.p2p.recv_backward(a.micro_batch, a.chunk)
+                backward(out, grad)
+                if not spec.pre_process:
+                    self.p2p.send_backward(inp.grad, a.micro_batch, self._prev_chunk(a.chunk))
+                live -= 1 / v
+                live_bytes -= nbytes
+        if self.p2p is not None:
+            self.p2p.wait_sends()
+        assert not stash, f"schedule left micro-batches without backward: {sorted(stash)}"
+        return RunStats(loss_sum=loss_sum, peak_in_flight=peak, peak_activation_bytes=peak_bytes)

@@ -1,0 +1,154 @@
+"""Pipeline parallelism: partitioning, schedule timelines (bubbles, in-flight micro-batches), parity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megazero.config import ConfigError, parse_args
+from megazero.engine import Engine
+from megazero.pipeline.partition import PipelineLayoutError, partition_layers, stage_specs
+from megazero.pipeline.schedules import ScheduleError, build_schedule, simulate
+from tests.common import assert_matches_reference, merge_runs, train_runs
+from tests.dist import run_world
+
+PP_MODEL = ["--num-layers", "8"]
+
+
+# -- pure: partitioning and timelines ---------------------------------------------------------------------
+def test_partition_balanced_and_user_layout():
+    assert partition_layers(8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert [len(r) for r in partition_layers(10, 4)] == [2, 2, 3, 3]
+    assert partition_layers(6, 3, [1, 2, 3]) == [range(0, 1), range(1, 3), range(3, 6)]
+    specs = stage_specs(8, pp_size=2, pp_rank=1, virtual_stages=2)
+    assert [(s.virtual_stage, s.layers, s.pre_process, s.post_process) for s in specs] == [
+        (1, range(2, 4), False, False), (3, range(6, 8), False, True)]
+    with pytest.raises(PipelineLayoutError, match="--num-layers 3 is fewer than the 4"):
+        partition_layers(3, 4)
+    with pytest.raises(PipelineLayoutError, match="sum to --num-layers 8"):
+        partition_layers(8, 2, [3, 4])
+
+
+@pytest.mark.parametrize("name, v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4)])
+@pytest.mark.parametrize("pp", [2, 4])
+def test_timelines_are_complete_and_have_the_textbook_bubble(name, v, pp):
+    for m in (pp, 2 * pp, 4 * pp):
+        for r in range(pp):
+            actions = build_schedule(name, pp, r, m, v)
+            fwd = [(a.micro_batch, a.chunk) for a in actions if a.kind == "F"]
+            bwd = [(a.micro_batch, a.chunk) for a in actions if a.kind == "B"]
+            assert sorted(fwd) == sorted(bwd) == sorted((i, c) for i in range(m) for c in range(v))
+            assert all(fwd.index(x) < len(actions) and actions.index(next(a for a in actions if a.kind == "F"
+                       and (a.micro_batch, a.chunk) == x)) < actions.index(next(a for a in actions if a.kind == "B"
+                       and (a.micro_batch, a.chunk) == x)) for x in fwd)
+        sim = simulate(name, pp, m, v)
+        assert sim.bubble_fraction == pytest.approx((pp - 1) / m / v)  # idle slots, counted from the timeline
+        if name == "gpipe":
+            assert sim.peak_in_flight == [m] * pp
+        if name == "1f1b":
+            assert sim.peak_in_flight == [pp - r for r in range(pp)]
+
+
+def test_schedule_errors():
+    with pytest.raises(ScheduleError, match="multiple of --pp"):
+        build_schedule("interleaved", 4, 0, 6, 2)
+    with pytest.raises(ScheduleError, match="unknown --pp-schedule"):
+        build_schedule("zigzag", 2, 0, 2)
+
+
+@pytest.mark.parametrize("argv, world, message", [
+    (["--pp", "4", "--num-layers", "3"], 4, "--num-layers 3 is fewer than the 4 pipeline chunks"),
+    (["--pp", "2", "--pp-schedule", "interleaved", "--virtual-stages", "2", "--num-layers", "8",
+      "--micro-batch-size", "1", "--global-batch-size", "3"], 2, "divisible by --pp 2"),
+    (["--pp", "2", "--pp-layout", "1,2"], 2, "--pp-layout 1,2 needs 2 entries"),
+])
+def test_configuration_errors(argv, world, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_args(argv).resolve(world)
+
+
+# -- parity with one process ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def references(data_cache, tmp_path_factory):
+    """Single-process runs of the 8-layer model for each global batch and step count the tests use."""
+    keys = [("8", "10"), ("5", "10"), ("9", "10"), ("8", "4")]
+    runs = [[*PP_MODEL, "--micro-batch-size", g, "--train-steps", s] for g, s in keys]
+    results = merge_runs(run_world(train_runs, 1, runs, data_cache, str(tmp_path_factory.mktemp("pp-ref"))))
+    return dict(zip(keys, results))
+
+
+def _pp_runs(pp: int) -> list[tuple[tuple[str, str], list[str]]]:
+    """(reference key, flags): m = 1, pp and 2pp + 1 micro-batches for 1F1B and GPipe; interleaved at pp, 2pp."""
+    mb = {1: ("8", "8"), pp: (str(8 // pp), "8"), 2 * pp + 1: ("1", str(2 * pp + 1))}
+    out = []
+    for sched in ("1f1b", "gpipe"):
+        for m, (micro, glob) in mb.items():
+            if sched == "gpipe" and m == 1:
+                continue  # identical to 1F1B with one micro-batch
+            out.append(((glob, "10"), ["--pp-schedule", sched, "--micro-batch-size", micro,
+                                       "--global-batch-size", glob]))
+    for micro in (str(8 // pp), str(4 // pp) if pp == 2 else "1"):  # m = pp and 2pp (interleaved needs m % pp == 0)
+        out.append((("8", "10"), ["--pp-schedule", "interleaved", "--virtual-stages", "2",
+                                  "--micro-batch-size", micro, "--global-batch-size", "8"]))
+    return out
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_pipeline_matches_single_process(pp, references, data_cache, tmp_path):
+    runs = _pp_runs(pp)
+    flags = [[*PP_MODEL, "--pp", str(pp), *f] for _, f in runs]
+    results = merge_runs(run_world(train_runs, pp, flags, data_cache, str(tmp_path), pp=pp))
+    for (key, f), (losses, state) in zip(runs, results):
+        try:
+            assert_matches_reference(losses, state, references[key])
+        except AssertionError as e:
+            raise AssertionError(f"pp={pp} {f}: {e}") from None
+
+
+def test_pipeline_with_tensor_and_data_parallel_and_zero(references, data_cache, tmp_path):
+    """8 ranks: pp 2 x tp 2 x dp 2, four steps (frugal: DESIGN.md, Testing)."""
+    base = [*PP_MODEL, "--pp", "2", "--tp", "2", "--dp", "2", "--train-steps", "4", "--micro-batch-size", "2",
+            "--global-batch-size", "8"]
+    runs = [[*base, "--zero-stage", "0", "--sequence-parallel"], [*base, "--zero-stage", "1"]]
+    for losses, state in merge_runs(run_world(train_runs, 8, runs, data_cache, str(tmp_path), pp=2, tp=2)):
+        assert_matches_reference(losses, state, references[("8", "4")])
+
+
+# -- measured in-flight micro-batches and the tied-embedding guard ------------------------------------------
+def _in_flight(ctx, cache: str, schedule: str):
+    cfg = parse_args([*PP_MODEL, "--pp", str(ctx.pp_size), "--pp-schedule", schedule, "--micro-batch-size", "1",
+                      "--global-batch-size", "8", "--vocab-size", "512", "--seq-len", "32", "--hidden-size",
+                      "64", "--num-heads", "4", "--cache-dir", cache]).resolve(ctx.world_size)
+    engine = Engine(cfg, ctx)
+    batch = [(torch.randint(0, 512, (1, 32)), torch.randint(0, 512, (1, 32))) for _ in range(8)]
+    res = engine.train_step(batch)
+    return res.peak_in_flight, engine.activation_peak_bytes
+
+
+def test_measured_activations_in_flight(data_cache):
+    pp = 4
+    one_f_one_b = run_world(_in_flight, pp, data_cache, "1f1b", pp=pp)
+    gpipe = run_world(_in_flight, pp, data_cache, "gpipe", pp=pp)
+    assert [r[0] for r in one_f_one_b] == [pp - r for r in range(pp)]  # at most pp, on the first stage
+    assert [r[0] for r in gpipe] == [8] * pp  # all m micro-batches
+    assert all(g[1] > f[1] for g, f in zip(gpipe, one_f_one_b))  # and their saved activations with them
+
+
+def _drift(ctx, cache: str):
+    cfg = parse_args([*PP_MODEL, "--pp", "2", "--vocab-size", "512", "--seq-len", "32", "--hidden-size", "64",
+                      "--num-heads", "4", "--cache-dir", cache]).resolve(ctx.world_size)
+    engine = Engine(cfg, ctx)
+    assert engine.check_tied_embeddings() == 0.0  # both copies initialised from the same (seed, name)
+    if ctx.is_last_stage:
+        with torch.no_grad():
+            engine.chunks[0].wte.weight.add_(1e-3)
+    try:
+        engine.check_tied_embeddings()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_drifting_tied_embeddings_are_an_error_on_every_rank(data_cache):
+    for msg in run_world(_drift, 2, data_cache, pp=2):
+        assert "tied word embedding differs between the first and last pipeline stage" in msg
