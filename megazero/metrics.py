@@ -81,7 +81,7 @@ class ActivationMemoryCounter:
         self.peak = max(self.peak, self.last)
 
 
-def megatron_model_flops(batch: int, seq_len: int, num_layers: int, hidden: int, vocab: int) -> float:
+def megatron_model_flops(batch: float, seq_len: int, num_layers: int, hidden: int, vocab: int) -> float:
     """Model FLOPs of one step (forward + backward) by Megatron-LM's count, no recomputation.
 
     ``72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))`` for ``batch`` = B sequences of ``seq_len`` = s tokens (the
@@ -92,7 +92,7 @@ def megatron_model_flops(batch: int, seq_len: int, num_layers: int, hidden: int,
     return 72.0 * batch * s * n * h * h * (1 + s / (6 * h) + vocab / (12 * n * h))
 
 
-def megatron_hardware_flops(batch: int, seq_len: int, num_layers: int, hidden: int, vocab: int,
+def megatron_hardware_flops(batch: float, seq_len: int, num_layers: int, hidden: int, vocab: int,
                             checkpointing: str = "none") -> float:
     """FLOPs the hardware executes in one step, recomputation included (the numerator of HFU).
 
@@ -163,8 +163,8 @@ def throughput(tokens: int, seq_len: int, seconds: float, world_size: int, num_l
     (padded) vocabulary the LM head multiplies by.
     """
     batch = tokens / seq_len
-    model = megatron_model_flops(batch, seq_len, num_layers, hidden, vocab)  # type: ignore[arg-type]
-    hardware = megatron_hardware_flops(batch, seq_len, num_layers, hidden, vocab, checkpointing)  # type: ignore[arg-type]
+    model = megatron_model_flops(batch, seq_len, num_layers, hidden, vocab)
+    hardware = megatron_hardware_flops(batch, seq_len, num_layers, hidden, vocab, checkpointing)
     per_gpu = model / seconds / world_size
     return {
         "tokens_per_s": tokens / seconds,

@@ -34,6 +34,8 @@ from megazero.estimate import (
     stage_layers,
 )
 
+__all__ = ["build_parser", "estimate", "main"]
+
 UNITS = {"GB": 1e9, "GiB": 2**30, "MB": 1e6, "MiB": 2**20}
 
 
@@ -203,6 +205,7 @@ def estimate(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv``, print the estimate; usage errors exit with status 2."""
     parser = build_parser()
     args = parser.parse_args(argv)
     for flag in ("tp", "pp", "dp", "micro_batch_size"):

@@ -143,6 +143,7 @@ def plot_throughput(records: list[dict[str, Any]], out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Read LOG_DIR's metrics.jsonl and write the PNGs; prints their paths."""
     p = argparse.ArgumentParser(prog="tools/plot_metrics.py", description=__doc__.split("\n\n")[0])
     p.add_argument("log_dir", help="a run's --log-dir (or its metrics.jsonl)")
     p.add_argument("--out", help="output directory (default: LOG_DIR/plots)")
