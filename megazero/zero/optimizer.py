@@ -19,6 +19,11 @@ stage   partitioned                            gradient policy with m micro-batc
 
 Ψ is this rank's parameter count (its TP shard of its pipeline stage), up to padding to equal aligned slices.
 With ``reduce_scatter`` False, each reduce-scatter above becomes an all-reduce (2Ψ instead of Ψ).
+Buckets hold at most ``min(reduce_bucket_size, allgather_bucket_size)`` elements (stages 0-2 and stage 3's
+persistent parameters; stage 3 coalesces ready units' gradients up to ``reduce_bucket_size``).
+``overlap_comm`` makes the in-backward reductions of stages 2-3 asynchronous, waited on at the end of each
+backward; stages 0-1 reduce at the boundary (all buckets issued at once, then waited on).
+``contiguous_gradients`` is always in effect: owned gradients live in one contiguous buffer.
 
 Precision: ``fp32`` trains the parameters directly (a parameter is its own master copy, so
 ``master_params_bytes`` is 0 and the optimizer keeps 8 bytes of Adam moments per owned element); ``bf16`` and
@@ -125,6 +130,11 @@ class ZeroOptimizer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters")
+        if any(getattr(p, "_zero_wrapped", False) for p in self.params):
+            raise ValueError("this model is already wrapped by a ZeroOptimizer (its gradient hooks and flat "
+                             "buffers belong to it); build a fresh model for a new optimizer")
+        for p in self.params:
+            p._zero_wrapped = True
         self.norm_counted = norm_counted or {p: True for p in self.params}
         bucket = min(zero_cfg.reduce_bucket_size, zero_cfg.allgather_bucket_size)
         if zero_cfg.stage == 3:

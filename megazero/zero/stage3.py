@@ -1,36 +1,34 @@
 """ZeRO stage 3: parameters live only as shards, gathered per submodule just before they are used.
 
 Every module with its own ``forward`` is a *unit*: its trainable parameters (plus those of children without
-a forward, such as GPT's ``wpe`` holder, whose weight the parent's forward reads) are flattened into one
-:class:`~megazero.zero.partition.FlatLayout` over the DP group. Each rank keeps only its slice (16-bit, plus
-the optimizer's fp32 master slice); the parameters themselves are views into a full-size buffer whose
-storage is freed (resized to 0) while the unit is released, so that tensors autograd saved alias the same
-storage and see the values again once the unit is re-gathered. While released, a parameter's ``.data`` is a
-shared one-element NaN placeholder expanded to its shape: shape and ``numel()`` stay right and a stray read
-outside forward/backward sees NaN instead of freed memory. Read real values with
-:meth:`Stage3Params.gathered` (``ZeroOptimizer.gathered_parameters()``) or the optimizer's fp32 master copy.
+a forward, such as GPT's ``wpe`` holder, read by the parent's forward) form one
+:class:`~megazero.zero.partition.FlatLayout` over the DP group. Each rank keeps only its slice; the
+parameters are views into a full-size buffer whose storage is freed (resized to 0) while the unit is
+released, so tensors autograd saved alias that storage and see the values again once it is re-gathered.
+While released, a parameter's ``.data`` is a shared one-element NaN placeholder expanded to its shape (right
+``shape``/``numel()``; a stray read sees NaN, not freed memory). Read real values inside
+``ZeroOptimizer.gathered_parameters()`` or from the optimizer's fp32 master copy.
 
-* **Forward**: a forward pre-hook gathers the unit (one all-gather, Ψ_u), a forward hook releases it. Units
-  with several entry points (the tied embedding: ``wte.forward`` at the input and ``wte.logits`` at the
-  output) stay gathered until the end of the model's forward, so they are gathered once per forward.
+* **Forward**: a forward pre-hook gathers the unit, a forward hook releases it. Units with several entry
+  points (the tied embedding: ``wte.forward`` at the input, ``wte.logits`` at the output) stay gathered
+  until the model's forward ends, so they are gathered once per forward.
 * **Backward**: the forward hook threads the unit's outputs through an identity autograd function whose
-  backward gathers the unit again before any of its backward runs; a hook on each parameter's gradient
-  accumulation collects the gradients into a unit buffer, and once all of them have arrived the buffer is
-  reduce-scattered to the owners (asynchronously with ``overlap_comm``, waited on at the end of backward)
-  and the unit is released. The tied embedding's gradient arrives once, after both uses.
-* **Prefetch**: the first forward and backward record the order in which units are used; later passes
-  gather the next units of that order ahead of use, up to ``stage3_prefetch_bucket_size`` elements, never
-  holding more than ``stage3_max_live_parameters`` gathered elements through prefetching.
+  backward gathers the unit again before its backward runs; hooks on the parameters' gradient accumulation
+  collect the gradients into a unit buffer; once all have arrived the unit is released and its gradients are
+  reduce-scattered to the owners, coalesced with other ready units up to ``reduce_bucket_size`` elements
+  (asynchronously with ``overlap_comm``, waited on at the end of backward). The tied embedding's gradient
+  arrives once, after both uses.
+* **Prefetch**: the first forward and backward record the order of use; later passes gather the next units
+  of that order ahead of use in one coalesced all-gather, up to ``stage3_prefetch_bucket_size`` elements and
+  never beyond ``stage3_max_live_parameters`` gathered elements.
 * **Persistence**: parameters of at most ``stage3_param_persistence_threshold`` elements (DeepSpeed's rule)
-  stay whole on every rank; they are handled like stage 2 (gradients reduce-scattered, updated slices
-  all-gathered after the step) by a :class:`~megazero.zero.partition.BucketedParams`.
+  stay whole on every rank, handled like stage 2 by a :class:`~megazero.zero.partition.BucketedParams`.
 * **Order check**: every gather first all-gathers a small fingerprint (phase, sequence number, unit ids) over
-  the DP group; if the ranks disagree, all of them raise :class:`GatherOrderError` naming the modules
-  instead of exchanging mismatched buffers. The collective timeout remains the last resort.
+  the DP group; if ranks disagree, all raise :class:`GatherOrderError` naming the modules instead of
+  exchanging mismatched buffers (gloo aborts on those). The collective timeout remains the last resort.
 
-Communication per optimizer step with m micro-batches (DP group, counted as in DESIGN.md):
-3mΨ_g for gathered parameters (forward gather, backward gather, gradient reduce-scatter in every micro-batch)
-plus (m + 1)Ψ_p for persistent ones.
+DP volume per optimizer step with m micro-batches: 3mΨ_g for gathered parameters (forward gather, backward
+gather, gradient reduce-scatter in every micro-batch) plus (m + 1)Ψ_p for persistent ones.
 """
 
 from __future__ import annotations
@@ -131,12 +129,8 @@ class _Unit:
         self.views = layout.views(full, [p.shape for p in params])
         self.full_bytes = full.numel() * full.element_size()
         self.offsets = dict(zip(params, layout.offsets))
-        self.entries = 1
-        self.gathered = False
-        self.work = None
+        self.entries, self.gathered, self.work, self.remaining, self.reduced = 1, False, None, len(params), False
         self.staging: torch.Tensor | None = None
-        self.remaining = len(params)
-        self.reduced = False
 
 
 class Stage3Params:
@@ -212,7 +206,7 @@ class Stage3Params:
         for unit in self.units:
             if unit.module is self.model:
                 continue
-            unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit))
+            unit.module.register_forward_pre_hook(lambda *_, u=unit: self._use(u, FWD))
             unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
             for kind, methods in extra_entry_points.items():
                 if isinstance(unit.module, kind):
@@ -251,9 +245,6 @@ class Stage3Params:
                 self._free(unit)
         self._end_pass(FWD)
         return out
-
-    def _pre_forward(self, unit: _Unit, module, args) -> None:
-        self._use(unit, FWD)
 
     def _post_forward(self, unit: _Unit, module, args, out):
         out = self._attach(out, unit)
@@ -366,7 +357,7 @@ class Stage3Params:
         self._seq += 1
         if self.dp_group.size == 1:
             return
-        digest = 0
+        digest = 0  # order-sensitive hash of the unit ids
         for u in units:
             digest = (digest * 1_000_003 + u.uid + 1) % (2**61 - 1)
         mine = torch.tensor([phase, self._seq, len(units), units[0].uid, digest], dtype=torch.int64)
@@ -492,7 +483,7 @@ class Stage3Params:
         return out
 
     def padded_numel(self) -> dict[str, int]:
-        """Elements laid out: ``whole`` (persistent parameters) and ``gathered`` (sharded units), with padding."""
+        """Elements laid out (with padding): ``whole`` (persistent parameters), ``gathered`` (sharded units)."""
         return {"whole": self.persistent.numel if self.persistent else 0,
                 "gathered": sum(u.layout.padded_numel for u in self.units)}
 
