@@ -86,8 +86,8 @@ def plot_memory(record: dict[str, Any], out: Path) -> Path:
         vals = [(m.get(key) or 0) / div for m in ranks]
         ax1.bar(x, vals, bottom=bottom, label=name)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax1.set(xticks=list(x), xlabel="rank (tp, pp, dp)", ylabel=unit,
-            title=f"Model states + activations, step {record['step']}")
+    ax1.set(xticks=list(x), xlabel="rank (tp, pp, dp)", ylabel=unit, ylim=(0, 1.4 * max(bottom) or 1),
+            title=f"Model states + activations, step {record['step']}")  # headroom for the legend
     ax1.set_xticklabels(labels, fontsize=8)
     ax1.legend(fontsize=8)
     ax1.grid(axis="y", alpha=0.3)
@@ -99,7 +99,8 @@ def plot_memory(record: dict[str, Any], out: Path) -> Path:
         for i, (key, name) in enumerate(present):
             ax2.bar([j + (i - (len(present) - 1) / 2) * width for j in x],
                     [(m.get(key) or 0) / div2 for m in ranks], width, label=name)
-        ax2.set(ylabel=unit2)
+        top = max((m.get(k) or 0) for m in ranks for k, _ in present) / div2
+        ax2.set(ylabel=unit2, ylim=(0, 1.25 * top or 1))
         ax2.legend(fontsize=8)
     else:
         ax2.text(0.5, 0.5, "nothing measured", ha="center", va="center", transform=ax2.transAxes)
