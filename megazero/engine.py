@@ -6,8 +6,8 @@ The recipe, in order:
 2. initialise them from the seed by unsharded parameter name, so every topology starts from the same weights;
 3. wrap them in the ZeRO optimizer over the DP group;
 4. each step, run the pipeline schedule over the micro-batches (with one stage: forward/backward per
-   micro-batch), sum the tied embedding's gradient over its two copies (first and last stage), and let the
-   optimizer reduce, clip and update.
+   micro-batch) and let the optimizer reduce over DP, sum the tied embedding's gradient over its two copies
+   (first and last stage, partitioned alike at every ZeRO stage), clip and update.
 
 The loss of a step is the token-weighted mean over the whole global batch (all micro-batches, all DP ranks):
 each micro-batch contributes ``sum(per-token loss) / tokens_in_global_batch`` to the gradient, so the summed
@@ -82,6 +82,7 @@ class Engine:
         self.optimizer = ZeroOptimizer(
             self.model, cfg.zero, cfg.optimizer, dp_group=ctx.dp_group, norm_group=ctx.mp_group,
             norm_counted=norm_counted, precision=cfg.training.precision, loss_scale_cfg=cfg.loss_scale,
+            tied_params=self.tied, tied_group=ctx.embedding_group if self.tied else None,
         )
         p2p = None
         if ctx.pp_size > 1:
@@ -113,11 +114,6 @@ class Engine:
         self.ctx.dp_group.all_reduce(total, tag="loss")
         self.ctx.pp_group.broadcast(total, src=self.ctx.pp_size - 1, tag="loss")
         return (total / tokens).item()
-
-    def _sync_tied_gradients(self) -> None:
-        """Sum the tied embedding's gradient over its copies on the first and last pipeline stage."""
-        for w in self.tied:
-            self.ctx.embedding_group.all_reduce(w.grad, tag="tied")
 
     @torch.no_grad()
     def check_tied_embeddings(self, rtol: float = 1e-6) -> float:
@@ -153,7 +149,6 @@ class Engine:
         stats = self.executor.run(actions, micro_batches, tokens, opt.backward)
         self.activation_peak_bytes = max(self.activation_peak_bytes, stats.peak_activation_bytes)
         loss = self._global_loss(stats.loss_sum, tokens)
-        self._sync_tied_gradients()
         lr = self.lr()
         step_stats = opt.step(lr)
         self.ctx.ledger.mark_step()

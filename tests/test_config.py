@@ -342,7 +342,8 @@ def test_resolve_optimizer_name_must_match_decoupling() -> None:
 
 
 @pytest.mark.parametrize("argv, world, feature", [
-    (["--pp", "2", "--zero-stage", "2"], 2, "--zero-stage 2 with --pp > 1"),
+    (["--pp", "2", "--zero-stage", "3", "--pp-schedule", "interleaved", "--virtual-stages", "2", "--num-layers", "4",
+      "--global-batch-size", "32"], 2, "--zero-stage 3 with --virtual-stages > 1"),
     (["--activation-checkpointing", "full"], 1, "--activation-checkpointing full"),
     (["--save", "ck"], 1, "--save/--load"),
 ])

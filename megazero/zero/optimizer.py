@@ -42,7 +42,7 @@ model-parallel group), counting TP-replicated parameters once (``norm_counted``)
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -116,6 +116,8 @@ class ZeroOptimizer:
         precision: str = "fp32",
         loss_scale_cfg: LossScaleConfig | None = None,
         align: int = 16,
+        tied_params: Sequence[nn.Parameter] = (),
+        tied_group: Group | None = None,
     ) -> None:
         if precision not in PRECISION_DTYPES:
             raise ValueError(f"--precision must be one of {sorted(PRECISION_DTYPES)}, got {precision!r}")
@@ -140,12 +142,18 @@ class ZeroOptimizer:
         if zero_cfg.stage == 3:
             from megazero.zero.stage3 import Stage3Params
 
-            self.store = Stage3Params(model, self.dtype, dp_group, zero_cfg, align=align)
+            self.store = Stage3Params(model, self.dtype, dp_group, zero_cfg, align=align, isolate=tied_params)
         else:
             self.store = BucketedParams(
                 self.params, self.dtype, dp_group, shard_optimizer=self.sharded.optimizer_states,
                 shard_gradients=self.sharded.gradients, bucket_numel=bucket, align=align,
-                overlap_comm=zero_cfg.overlap_comm, reduce_scatter=zero_cfg.reduce_scatter)
+                overlap_comm=zero_cfg.overlap_comm, reduce_scatter=zero_cfg.reduce_scatter, isolate=tied_params)
+        # Segments of a parameter with a copy elsewhere (the tied embedding on the first and last pipeline
+        # stage). Each copy is partitioned on its own, so both hold the same elements here and their reduced
+        # gradients can be summed over ``tied_group`` before the update.
+        self.tied_group = tied_group
+        self._tied_segments = [seg for seg in self.store.segments
+                               if any(any(p is t for t in tied_params) for p, _, _ in seg.pieces)]
         for p in model.parameters():  # frozen parameters just follow the compute dtype
             if not p.requires_grad and p.is_floating_point():
                 p.data = p.data.to(self.dtype)
@@ -224,6 +232,9 @@ class ZeroOptimizer:
     def step(self, lr: float) -> StepStats:
         """Reduce gradients, check for fp16 overflow, clip by the global norm, update with learning rate ``lr``."""
         self.store.reduce_gradients()
+        if self.tied_group is not None:
+            for seg in self._tied_segments:
+                self.tied_group.all_reduce(seg.grad, tag="tied")
         g = self._owned_grads_fp32()
         sq = self._global_sq_norm(g)
         scale = self.scaler.scale if self.scaler is not None else 1.0

@@ -115,15 +115,22 @@ class FlatLayout:
         return flat
 
 
-def build_buckets(numels: Sequence[int], bucket_numel: int) -> list[list[int]]:
+def build_buckets(numels: Sequence[int], bucket_numel: int, isolate: Sequence[bool] | None = None) -> list[list[int]]:
     """Group consecutive indices so each group holds at most ``bucket_numel`` elements.
 
-    A tensor larger than the bucket gets a group of its own; ``bucket_numel`` <= 0 means one group.
+    A tensor larger than the bucket gets a group of its own; ``bucket_numel`` <= 0 means one group. Indices
+    marked in ``isolate`` always get a group of their own (so their partition depends on nothing else).
     """
     groups: list[list[int]] = []
     current: list[int] = []
     size = 0
     for i, n in enumerate(numels):
+        if isolate is not None and isolate[i]:
+            if current:
+                groups.append(current)
+            groups.append([i])
+            current, size = [], 0
+            continue
         if current and bucket_numel > 0 and size + n > bucket_numel:
             groups.append(current)
             current, size = [], 0
@@ -191,11 +198,14 @@ class BucketedParams:
 
     With ``shard_optimizer``, :meth:`after_step` all-gathers the updated slices into every rank's buffer (Ψ).
     With ``reduce_scatter`` False, gradients are all-reduced instead (2Ψ per reduction) and the slice kept.
+    Parameters in ``isolate`` get a bucket of their own, so this rank owns the same elements of them whatever
+    else the store holds (the tied embedding's two pipeline copies must be partitioned alike).
     """
 
     def __init__(self, params: Sequence[nn.Parameter], dtype: torch.dtype, dp_group: Group, *,
                  shard_optimizer: bool, shard_gradients: bool, bucket_numel: int, align: int = 16,
-                 overlap_comm: bool = False, reduce_scatter: bool = True) -> None:
+                 overlap_comm: bool = False, reduce_scatter: bool = True,
+                 isolate: Sequence[nn.Parameter] = ()) -> None:
         if shard_gradients and not shard_optimizer:
             raise ValueError("sharded gradients need sharded optimizer states (ZeRO stage 2 includes stage 1)")
         self.dp_group = dp_group
@@ -210,7 +220,8 @@ class BucketedParams:
         n_ranks = dp_group.size if shard_optimizer else 1
         self.buckets: list[tuple[int, list[nn.Parameter], FlatLayout]] = []  # (start, params, layout)
         start = 0
-        for idx in build_buckets([p.numel() for p in order], bucket_numel):
+        isolated = [any(p is q for q in isolate) for p in order]
+        for idx in build_buckets([p.numel() for p in order], bucket_numel, isolated):
             ps = [order[i] for i in idx]
             layout = FlatLayout([p.numel() for p in ps], n_ranks, align)
             self.buckets.append((start, ps, layout))

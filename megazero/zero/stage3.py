@@ -141,7 +141,8 @@ class Stage3Params:
     """
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, dp_group: Group, cfg: ZeroConfig, *,
-                 align: int = 16, extra_entry_points: dict[type, Sequence[str]] | None = None) -> None:
+                 align: int = 16, extra_entry_points: dict[type, Sequence[str]] | None = None,
+                 isolate: Sequence[nn.Parameter] = ()) -> None:
         if extra_entry_points is None:
             from megazero.tensor_parallel import VocabParallelEmbedding
 
@@ -160,7 +161,7 @@ class Stage3Params:
         self.persistent = BucketedParams(
             persistent, dtype, dp_group, shard_optimizer=True, shard_gradients=True,
             bucket_numel=min(cfg.reduce_bucket_size, cfg.allgather_bucket_size), align=align,
-            overlap_comm=cfg.overlap_comm, reduce_scatter=cfg.reduce_scatter) if persistent else None
+            overlap_comm=cfg.overlap_comm, reduce_scatter=cfg.reduce_scatter, isolate=isolate) if persistent else None
         layouts = [FlatLayout([p.numel() for p in ps], dp_group.size, align) for _, _, ps in spec if ps]
         device = next(model.parameters()).device
         total = sum(lay.shard_numel for lay in layouts)
