@@ -67,7 +67,8 @@ class Engine:
         self.rng_tracker = RNGTracker(cfg.training.seed, ctx.tp_rank, self.device)
         self.chunks = [
             GPT(m, ctx.tp_group, layers=s.layers, pre_process=s.pre_process, post_process=s.post_process,
-                sequence_parallel=p.sequence_parallel, rng_tracker=self.rng_tracker).to(self.device)
+                sequence_parallel=p.sequence_parallel, rng_tracker=self.rng_tracker,
+                activation_checkpointing=cfg.activation_checkpointing).to(self.device)
             for s in self.specs
         ]
         for chunk in self.chunks:

@@ -8,6 +8,11 @@ Shapes in comments: B batch, S sequence, H hidden, V/tp this rank's vocabulary s
 With ``sequence_parallel`` the residual stream (LayerNorms, dropout, residual adds) holds [B, S/tp, H]: each TP
 rank keeps one chunk of the sequence, all-gathered on entry to a TP layer and reduce-scattered on exit.
 
+Activation checkpointing (``activation_checkpointing``, :mod:`megazero.tensor_parallel.checkpointing`):
+``full`` keeps only each block's input and recomputes the block in backward; ``selective`` recomputes only the
+attention core (q, k, v -> softmax(QK^T)V, Megatron-LM's selective recompute), whose saved tensors grow with
+S^2 when attention dropout runs unfused. Dropout masks are identical in the recomputation (RNG states restored).
+
 For pipeline parallelism, one :class:`GPT` holds a contiguous range of layers: ``pre_process`` adds the
 embeddings (first stage), ``post_process`` the final LayerNorm and LM head (last stage; it keeps its own copy
 of the token embedding, kept equal to the first stage's by the pipeline). Blocks are keyed by their global
@@ -24,7 +29,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from megazero.config import ModelConfig
+from megazero.config import ActivationCheckpointingConfig, ModelConfig
 from megazero.distributed import Group
 from megazero.tensor_parallel import (
     ColumnParallelLinear,
@@ -34,6 +39,7 @@ from megazero.tensor_parallel import (
     shard_full_tensor,
     vocab_parallel_cross_entropy,
 )
+from megazero.tensor_parallel.checkpointing import CheckpointOptions, CheckpointStats, checkpoint
 from megazero.tensor_parallel.layers import replicated_parameter, tp_size_rank, unshard_tensor
 from megazero.tensor_parallel.random import RNGTracker
 
@@ -72,7 +78,7 @@ class CausalSelfAttention(nn.Module):
     """Multi-head causal attention; each TP rank owns ``num_heads / tp`` heads."""
 
     def __init__(self, cfg: ModelConfig, tp_group: Group | None, sequence_parallel: bool = False,
-                 rng_tracker: RNGTracker | None = None) -> None:
+                 rng_tracker: RNGTracker | None = None, recompute: CheckpointOptions | None = None) -> None:
         super().__init__()
         tp_size, _ = tp_size_rank(tp_group)
         if cfg.num_heads % tp_size:
@@ -80,6 +86,7 @@ class CausalSelfAttention(nn.Module):
         self.local_heads = cfg.num_heads // tp_size
         self.dropout = cfg.dropout
         self.rng_tracker = rng_tracker
+        self.recompute = recompute  # selective recomputation of the attention core
         resid_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         sp = sequence_parallel
         # qkv is one fused weight [3H, H]; stride=3 gives each rank the q, k and v rows of its own heads.
@@ -96,11 +103,19 @@ class CausalSelfAttention(nn.Module):
         with self.rng_tracker.fork():  # this rank's heads: its own dropout mask
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x [B, S, H/tp]
+    def _core(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The attention core: [B, S, 3H/tp] -> [B, S, H/tp], this rank's heads."""
+        q, k, v = qkv.chunk(3, dim=-1)  # 3 x [B, S, H/tp]
         q, k, v = (rearrange(t, "b s (nh hd) -> b nh s hd", nh=self.local_heads) for t in (q, k, v))
         y = self._attend(q, k, v)  # [B, nh/tp, S, hd]
-        y = rearrange(y, "b nh s hd -> b s (nh hd)")  # [B, S, H/tp]
+        return rearrange(y, "b nh s hd -> b s (nh hd)")  # [B, S, H/tp]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)  # [B, S, 3H/tp]
+        if self.recompute is None:
+            y = self._core(qkv)
+        else:  # keep only qkv; recompute the core in backward (its heads differ per rank: never partitioned)
+            y = checkpoint(self._core, qkv, options=self.recompute)
         return self.resid_dropout(self.proj(y))  # [B, S, H] summed over TP ranks ([B, S/tp, H] with SP)
 
 
@@ -127,10 +142,10 @@ class Block(nn.Module):
     """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
     def __init__(self, cfg: ModelConfig, tp_group: Group | None, sequence_parallel: bool = False,
-                 rng_tracker: RNGTracker | None = None) -> None:
+                 rng_tracker: RNGTracker | None = None, recompute_attention: CheckpointOptions | None = None) -> None:
         super().__init__()
         self.ln_1 = LayerNorm(cfg.hidden_size, cfg.layernorm_eps)
-        self.attn = CausalSelfAttention(cfg, tp_group, sequence_parallel, rng_tracker)
+        self.attn = CausalSelfAttention(cfg, tp_group, sequence_parallel, rng_tracker, recompute_attention)
         self.ln_2 = LayerNorm(cfg.hidden_size, cfg.layernorm_eps)
         self.mlp = MLP(cfg, tp_group, sequence_parallel, rng_tracker)
 
@@ -147,6 +162,8 @@ class GPT(nn.Module):
     ``targets`` is given, else this rank's vocabulary slice of the logits; other stages return hidden states.
 
     ``rng_tracker`` gives dropout on TP-sharded activations its per-rank RNG stream (:mod:`.random`).
+    ``activation_checkpointing`` selects recomputation (module docstring); ``checkpoint_stats`` then counts
+    the host bytes of ``cpu_checkpointing`` and the bytes a recomputation saves in backward.
     """
 
     def __init__(
@@ -158,6 +175,7 @@ class GPT(nn.Module):
         post_process: bool = True,
         sequence_parallel: bool = False,
         rng_tracker: RNGTracker | None = None,
+        activation_checkpointing: ActivationCheckpointingConfig | None = None,
     ) -> None:
         super().__init__()
         self.cfg = cfg
@@ -177,7 +195,15 @@ class GPT(nn.Module):
             self.wpe = nn.Module()
             self.wpe.weight = replicated_parameter((cfg.seq_len, cfg.hidden_size), "normal", cfg.init_std)
             self.drop = Dropout(cfg.dropout, rng_tracker, sharded=sp)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp_group, sp, rng_tracker) for i in self.layers})
+        ac = activation_checkpointing or ActivationCheckpointingConfig()
+        self.checkpointing = ac.mode
+        self.checkpoint_stats = CheckpointStats()
+        # partition_activations splits inputs replicated over TP; under SP the block input is a sequence shard
+        self.recompute = CheckpointOptions(tp_group if ac.partition_activations and not sp else None,
+                                           ac.cpu_checkpointing, rng_tracker, self.checkpoint_stats)
+        self.partition_block_input = ac.partition_activations and not sp
+        selective = self.recompute if ac.mode == "selective" else None
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp_group, sp, rng_tracker, selective) for i in self.layers})
         if post_process:
             self.ln_f = LayerNorm(cfg.hidden_size, cfg.layernorm_eps)
         if sp:
@@ -215,7 +241,10 @@ class GPT(nn.Module):
         if self.pre_process:
             x = self.embed(x)  # [B, S, H]
         for block in self.blocks.values():
-            x = block(x)
+            if self.checkpointing == "full":  # keep only the block input (1/tp of it when partitioned)
+                x = checkpoint(block, x, options=self.recompute, partition=(self.partition_block_input,))
+            else:
+                x = block(x)
         if not self.post_process:
             return x  # hidden states for the next stage
         logits = self.wte.logits(self.ln_f(x))  # [B, S, V/tp]
