@@ -118,8 +118,8 @@ class ZeroConfig:
     stage3_prefetch_bucket_size: int = 50_000_000
     stage3_param_persistence_threshold: int = 100_000
     stage3_max_live_parameters: int = 1_000_000_000
-    offload_optimizer: str | None = None  # "cpu" once offload lands
-    offload_param: str | None = None
+    offload_optimizer: str | None = None  # "cpu": master weights and Adam moments in host memory
+    offload_param: str | None = None  # "cpu": ZeRO-3 parameter shards in host memory
     offload_optimizer_pin_memory: bool = False  # zero_optimization.offload_optimizer.pin_memory
     offload_param_pin_memory: bool = False  # zero_optimization.offload_param.pin_memory
 
@@ -174,6 +174,14 @@ class LossScaleConfig:
 
 @dataclass
 class ActivationCheckpointingConfig:
+    """Recompute activations in backward (``--activation-checkpointing`` and DeepSpeed's block).
+
+    ``full`` keeps each transformer layer's input only, ``selective`` recomputes the attention core;
+    ``partition_activations`` stores the kept layer inputs split over the TP ranks (full only, without
+    sequence parallelism) and ``cpu_checkpointing`` keeps them in host memory (with or without partitioning,
+    where DeepSpeed offloads only partitioned ones).
+    """
+
     mode: str = "none"  # none | full | selective
     partition_activations: bool = False
     cpu_checkpointing: bool = False
@@ -301,6 +309,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=_int_list, metavar="N,N,...")
     add(g, "--zero-stage", "zero.stage", "ZeRO stage: 1 optimizer states, 2 +gradients, 3 +parameters",
         type=int, choices=(0, 1, 2, 3))
+    add(g, "--offload-optimizer", "zero.offload_optimizer", "keep fp32 master weights and Adam moments in host "
+        "memory and step on the CPU (ZeRO-Offload; stages 1-3)", action="store_const", const="cpu")
+    add(g, "--offload-param", "zero.offload_param", "keep ZeRO-3 parameter shards in host memory",
+        action="store_const", const="cpu")
     add(g, "--activation-checkpointing", "activation_checkpointing.mode", "recompute activations in backward",
         choices=_CHECKPOINTING_MODES)
     add(g, "--backend", "parallel.backend", "torch.distributed backend; None picks nccl on CUDA, else gloo",
@@ -560,6 +572,14 @@ def resolve_config(cfg: Config, world_size: int) -> Config:
     _require(ac.mode != "none" or not (ac.partition_activations or ac.cpu_checkpointing),
              "activation_checkpointing.partition_activations/cpu_checkpointing need --activation-checkpointing "
              "full or selective")
+    _require(not ac.partition_activations or ac.mode != "selective",
+             "activation_checkpointing.partition_activations splits the TP-replicated layer inputs that "
+             "--activation-checkpointing full keeps; selective recomputation keeps q, k, v, which are already "
+             "split over TP ranks by head: use --activation-checkpointing full or drop partition_activations")
+    _require(not ac.partition_activations or not (p.sequence_parallel and p.tp_size > 1),
+             "activation_checkpointing.partition_activations has nothing to split with --sequence-parallel: the "
+             "layer inputs are already sequence shards, 1/tp per rank (Megatron-LM refuses the pair too); drop "
+             "partition_activations or --sequence-parallel")
     _choice("--wandb-mode", cfg.logging.wandb_mode, (None, *_WANDB_MODES))
     _require(t.eval_interval >= 0, f"--eval-interval must be >= 0 (0 disables), got {t.eval_interval}")
     _require(t.save_interval >= 0, f"--save-interval must be >= 0, got {t.save_interval}")
@@ -580,13 +600,6 @@ def _check_not_yet_supported(cfg: Config) -> None:
     # ZeRO-3 with several model chunks per rank: stage 3's hooks need one root module per rank.
     if cfg.zero.stage == 3 and cfg.parallel.virtual_stages > 1:
         missing.append("--zero-stage 3 with --virtual-stages > 1 (interleaved schedule)")
-    # CPU offload: lifted by the zero/offload.py issue.
-    if cfg.zero.offload_optimizer is not None or cfg.zero.offload_param is not None:
-        missing.append("zero_optimization.offload_optimizer/offload_param (CPU offload)")
-    # Activation checkpointing: lifted by the activation-checkpointing issue.
-    ac = cfg.activation_checkpointing
-    if ac.mode != "none" or ac.partition_activations or ac.cpu_checkpointing:
-        missing.append(f"--activation-checkpointing {ac.mode}")
     # Checkpointing: lifted by the checkpoint.py issue (sharded save/load with a manifest).
     if cfg.training.save is not None or cfg.training.load is not None:
         missing.append("--save/--load (checkpointing)")

@@ -38,11 +38,13 @@ __all__ = [
     "ELEMENT_BYTES",
     "ModelStateBytes",
     "activation_bytes",
+    "checkpoint_host_bytes",
     "in_flight_micro_batches",
     "korthikanti_layer_bytes",
     "model_state_bytes",
     "padded_vocab_size",
     "rank_parameter_numels",
+    "recompute_bytes",
     "stage_layers",
 ]
 
@@ -167,7 +169,8 @@ def model_state_bytes(numels: Sequence[int] | float, stage: int, dp_size: int, p
     params = e * persistent + e * (psi - persistent) / nd if stage == 3 else e * psi
     grads = e * psi / nd if stage >= 2 else e * psi
     owned = psi / nd if stage >= 1 else psi
-    master = 4 * owned if e != 4 else 0.0  # fp32: the parameters are their own master copy
+    # fp32: the parameters are their own master copy, unless offload keeps a separate one in host memory
+    master = 4 * owned if e != 4 or offload_optimizer else 0.0
     states = 8 * owned  # Adam's two fp32 moments
     offloaded = (master + states if offload_optimizer else 0.0) + (
         e * (psi - persistent) / nd if offload_param and stage == 3 else 0.0)
@@ -192,10 +195,45 @@ def korthikanti_layer_bytes(seq_len: int, micro_batch: int, hidden: int, heads: 
     return sbh * (10 + 24 / t + attn / t)
 
 
+@dataclass(frozen=True)
+class _LayerBytes:
+    """One transformer layer's saved bytes, split the way recomputation needs them."""
+
+    total: float  # everything one layer saves for backward without recomputation
+    core: float  # the attention core's own tensors (dropped by selective recomputation)
+    qkv: float  # q, k, v: this rank's heads (what selective recomputation keeps)
+    core_output: float  # the fused core's output, which shares storage with the projection's input
+    layer_input: float  # the layer input (what full recomputation keeps), a sequence shard with SP
+
+
+def _layer_bytes(model: ModelConfig, micro_batch: int, tp_size: int, sequence_parallel: bool, precision: str,
+                 fused_attention: bool, mask_bytes: int) -> _LayerBytes:
+    if precision not in ELEMENT_BYTES:
+        raise ValueError(f"precision must be one of {sorted(ELEMENT_BYTES)}, got {precision!r}")
+    e, t = ELEMENT_BYTES[precision], tp_size
+    s, b, h, a = model.seq_len, micro_batch, model.hidden_size, model.num_heads
+    sb, sbh = s * b, s * b * h
+    sp = t if sequence_parallel and t > 1 else 1  # residual-stream tensors are split over the sequence
+    drop = model.dropout > 0
+    if fused_attention:
+        core = 4 * a * sb / t
+    else:
+        core = e * a * s * sb / t + ((mask_bytes + e) * a * s * sb / t if drop else 0)
+    total = (4 * e * sbh + 4 * e * sb) / sp + 12 * e * sbh / t + core + (2 * mask_bytes * sbh / sp if drop else 0)
+    return _LayerBytes(total, core, 3 * e * sbh / t, e * sbh / t if fused_attention else 0.0, e * sbh / sp)
+
+
+def _check_checkpointing(checkpointing: str) -> None:
+    if checkpointing not in _CHECKPOINTING:
+        raise ValueError(f"activation checkpointing must be one of {_CHECKPOINTING}, got {checkpointing!r}")
+
+
 def activation_bytes(model: ModelConfig, micro_batch: int, *, tp_size: int = 1, sequence_parallel: bool = False,
                      precision: str = "bf16", checkpointing: str = "none", layers: int | None = None,
-                     first_stage: bool = True, last_stage: bool = True, fused_attention: bool = True) -> float:
-    """Bytes autograd saves during one micro-batch's forward on one rank (``layers`` transformer layers).
+                     first_stage: bool = True, last_stage: bool = True, fused_attention: bool = True,
+                     partition_activations: bool = False, cpu_checkpointing: bool = False,
+                     mask_bytes: int = 1) -> float:
+    """Bytes autograd saves on the device during one micro-batch's forward on one rank (``layers`` layers).
 
     Per layer, with ``e`` bytes per element of the compute dtype and ``sbh`` = sequence x micro-batch x hidden:
 
@@ -205,47 +243,88 @@ def activation_bytes(model: ModelConfig, micro_batch: int, *, tp_size: int = 1, 
     * TP-sharded tensors ``12e·sbh/t``: q, k, v (3), attention output = projection input (1), GELU input (4)
       and the second MLP input (4) -- the paper's 24/t in 16 bits;
     * attention core: fused (flash/efficient SDPA, no dropout in the kernel's memory) ``4·asb/t`` for the fp32
-      log-sum-exp; unfused ``e·as²b/t`` for the softmax (+ ``(1 + e)·as²b/t`` for its dropout mask and output);
-    * with dropout: two 1-byte masks ``2·sbh`` (/t with SP); CUDA keeps them as bool, CPU kernels may keep them
-      in the compute dtype.
+      log-sum-exp; unfused ``e·as²b/t`` for the softmax (+ ``(m + e)·as²b/t`` for its dropout mask and output);
+    * with dropout: two masks ``2m·sbh`` (/t with SP).
+
+    ``m`` = ``mask_bytes`` is the size of a dropout-mask element: 1 where kernels keep bool masks (CUDA), the
+    compute dtype's ``e`` on CPU, whose kernels keep them as floats (and run attention with dropout unfused).
 
     The first stage adds the token ids (and the vocab-parallel lookup's masked ids and mask), the last the
     final LayerNorm, the LM head's input (a sequence shard with SP), the fp32 softmax of the cross-entropy over this rank's
-    vocabulary slice and the targets. Full checkpointing keeps each layer's input (``e·sbh``, /t with SP) and
-    recomputes one layer at a time in backward (its activations counted once); selective checkpointing
-    recomputes the attention core.
+    vocabulary slice and the targets.
+
+    Recomputation (:mod:`megazero.tensor_parallel.checkpointing`) changes what the forward saves:
+
+    * ``full`` keeps only each layer's input, ``e·sbh`` (/t with SP; /t with ``partition_activations``, which
+      splits the TP-replicated input over the TP ranks; 0 with ``cpu_checkpointing``, which holds it in host
+      memory, see :func:`checkpoint_host_bytes`);
+    * ``selective`` drops the attention core's tensors and keeps q, k, v (``3e·sbh/t``; 0 on the device with
+      ``cpu_checkpointing``).
+
+    Backward then recomputes one layer (or core) at a time; that transient is not part of this per-micro-batch
+    figure but comes once per rank on top of the stash, :func:`recompute_bytes`.
     """
-    if precision not in ELEMENT_BYTES:
-        raise ValueError(f"precision must be one of {sorted(ELEMENT_BYTES)}, got {precision!r}")
-    if checkpointing not in _CHECKPOINTING:
-        raise ValueError(f"activation checkpointing must be one of {_CHECKPOINTING}, got {checkpointing!r}")
-    e, t = ELEMENT_BYTES[precision], tp_size
-    s, b, h, a = model.seq_len, micro_batch, model.hidden_size, model.num_heads
+    _check_checkpointing(checkpointing)
+    t = tp_size
+    lb = _layer_bytes(model, micro_batch, t, sequence_parallel, precision, fused_attention, mask_bytes)
+    e = ELEMENT_BYTES[precision]
+    s, b, h = model.seq_len, micro_batch, model.hidden_size
     sb, sbh = s * b, s * b * h
-    sp = t if sequence_parallel and t > 1 else 1  # residual-stream tensors are split over the sequence
+    sp = t if sequence_parallel and t > 1 else 1
     n_layers = model.num_layers if layers is None else layers
     drop = model.dropout > 0
 
-    if fused_attention:
-        core = 4 * a * sb / t
+    if checkpointing == "none":
+        total = n_layers * lb.total
+    elif checkpointing == "selective":
+        total = n_layers * (lb.total - lb.core - (lb.qkv if cpu_checkpointing else 0))
     else:
-        core = e * a * s * sb / t + ((1 + e) * a * s * sb / t if drop else 0)
-    if checkpointing == "selective":
-        core = 4 * a * sb / t if fused_attention else 0.0
-    layer = (4 * e * sbh + 4 * e * sb) / sp + 12 * e * sbh / t + core + (2 * sbh / sp if drop else 0)
-    total = n_layers * layer
-    if checkpointing == "full":
-        total = n_layers * e * sbh / sp + (layer if n_layers else 0)
+        kept = 0.0 if cpu_checkpointing else lb.layer_input / (t if partition_activations and sp == 1 else 1)
+        total = n_layers * kept
 
     if first_stage:
         total += 8 * sb if t == 1 else 9 * sb  # ids; vocab-parallel: masked local ids + out-of-range mask
-        total += sbh / sp if drop else 0
+        total += mask_bytes * sbh / sp if drop else 0
     if last_stage:
         v_local = padded_vocab_size(model.vocab_size, t) // t
         total += (2 * e * sbh + 2 * e * sb) / sp  # final LayerNorm input and stats, LM-head input
         total += 4 * sb * v_local  # fp32 softmax / log-softmax over this rank's vocabulary slice
         total += 8 * sb + (4 if t == 1 else 2 * sb)  # targets; loss bookkeeping (ignore/outside masks)
     return total
+
+
+def recompute_bytes(model: ModelConfig, micro_batch: int, *, tp_size: int = 1, sequence_parallel: bool = False,
+                    precision: str = "bf16", checkpointing: str = "none", fused_attention: bool = True,
+                    mask_bytes: int = 1) -> float:
+    """Bytes one recomputation saves for its own backward: the transient that recomputation adds, once per
+    rank, on top of the stashed micro-batches (what :class:`~megazero.tensor_parallel.checkpointing.CheckpointStats`
+    measures as ``recompute_peak_bytes``).
+
+    ``full``: one whole layer, its restored input included (:func:`activation_bytes` with no recomputation,
+    per layer). ``selective``: q, k, v again (views of the kept qkv), the core's tensors and, for a fused core,
+    its output, which in the recomputation is a new tensor. ``none``: 0. Counting the restored input in full
+    makes this an upper bound by ``e·sbh`` where the kept input itself is reused (no partitioning, no offload).
+    """
+    _check_checkpointing(checkpointing)
+    lb = _layer_bytes(model, micro_batch, tp_size, sequence_parallel, precision, fused_attention, mask_bytes)
+    if checkpointing == "full":
+        return lb.total
+    if checkpointing == "selective":
+        return lb.qkv + lb.core + lb.core_output
+    return 0.0
+
+
+def checkpoint_host_bytes(model: ModelConfig, micro_batch: int, *, tp_size: int = 1,
+                          sequence_parallel: bool = False, precision: str = "bf16", checkpointing: str = "none",
+                          layers: int | None = None, partition_activations: bool = False) -> float:
+    """Host bytes ``cpu_checkpointing`` holds for one micro-batch: the kept inputs of ``layers`` layers
+    (``full``: each layer's input, /t when partitioned; ``selective``: q, k, v)."""
+    _check_checkpointing(checkpointing)
+    lb = _layer_bytes(model, micro_batch, tp_size, sequence_parallel, precision, True, 1)
+    n_layers = model.num_layers if layers is None else layers
+    split = tp_size if partition_activations and not (sequence_parallel and tp_size > 1) else 1
+    kept = {"none": 0.0, "selective": lb.qkv, "full": lb.layer_input / split}[checkpointing]
+    return n_layers * kept
 
 
 def in_flight_micro_batches(pp_size: int, pp_rank: int, schedule: str = "1f1b", micro_batches: int = 1) -> int:
