@@ -328,6 +328,70 @@ class ZeroOptimizer:
         """Elements of the flat buffers as laid out (Ψ plus padding): what each collective moves."""
         return self.store.padded_numel()
 
+    # -- checkpointing (canonical, topology-independent form; see megazero/checkpoint.py) --------------------
+    def owned_state(self) -> list[tuple[nn.Parameter, int, dict[str, torch.Tensor]]]:
+        """The runs of parameter elements this rank updates, in owned order: ``(param, offset, views)``.
+
+        ``offset`` is where the run starts in the flattened parameter as this rank holds it (its TP shard,
+        vocab padding included); ``views`` are live 1-D views of the run's fp32 ``master`` value (the
+        parameter itself in fp32 runs), ``exp_avg`` and ``exp_avg_sq``. A parameter has at most one run per
+        rank. Stage 0 owns every element on every DP rank.
+        """
+        store = self.store
+        if hasattr(store, "units"):  # stage 3: persistent buckets first, then one layout per gather unit
+            layouts = [(ps, lay, store.persistent.rank) for _, ps, lay in store.persistent.buckets] \
+                if store.persistent is not None else []
+            layouts += [(u.params, u.layout, store.rank) for u in store.units]
+        else:
+            layouts = [(ps, lay, store.rank) for _, ps, lay in store.buckets]
+        assert len(layouts) == len(store.segments), "owned segments and flat layouts out of step"
+        out = []
+        for seg, base, (ps, layout, rank) in zip(store.segments, self._starts, layouts):
+            lo, hi = layout.shard_range(rank)
+            for pc in layout.pieces(lo, hi):
+                a, b = base + pc.offset, base + pc.offset + pc.numel
+                master = self.master[a:b] if self.mixed else seg.param[pc.offset: pc.offset + pc.numel]
+                out.append((ps[pc.index], pc.param_offset,
+                            {"master": master, "exp_avg": self.exp_avg[a:b], "exp_avg_sq": self.exp_avg_sq[a:b]}))
+        return out
+
+    def state_dict(self) -> dict[str, object]:
+        """``step_count``, the fp16 ``loss_scaler`` state (None without one) and ``owned``: :meth:`owned_state`
+        (live views: copy them to keep a snapshot). Keyed by parameter, not by rank or flat position, so a
+        checkpoint writer can name each run and reload it at any topology."""
+        return {"step_count": self.step_count,
+                "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                "owned": self.owned_state()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore the optimizer from ``state``: ``owned`` aligned with :meth:`owned_state` (a dict of
+        ``master``/``exp_avg``/``exp_avg_sq`` values per run, or the triples :meth:`state_dict` returns).
+
+        The model's parameters become the master values rounded to the model dtype, and sharded parameters
+        are all-gathered: a collective over ``dp_group`` that every rank must join.
+        """
+        owned = self.owned_state()
+        values = state["owned"]
+        if len(values) != len(owned):
+            raise ValueError(f"optimizer state has {len(values)} owned runs, this rank owns {len(owned)}")
+        for (p, offset, views), item in zip(owned, values):
+            item = item[2] if isinstance(item, tuple) else item
+            for kind, view in views.items():
+                src = item[kind].reshape(-1)
+                if src.numel() != view.numel():
+                    raise ValueError(f"optimizer state {kind} at offset {offset} of a {tuple(p.shape)} parameter has "
+                                     f"{src.numel()} elements, expected {view.numel()}")
+                view.copy_(src)
+        self.step_count = int(state["step_count"])
+        if self.scaler is not None and state.get("loss_scaler") is not None:
+            self.scaler.load_state_dict(state["loss_scaler"])
+        if self.mixed:
+            for s, a in zip(self.store.segments, self._starts):
+                s.param.copy_(self.master[a: a + s.param.numel()])
+        self.store.after_step()
+
+
 
 def _adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
