@@ -350,7 +350,7 @@ class ZeroOptimizer:
             lo, hi = layout.shard_range(rank)
             for pc in layout.pieces(lo, hi):
                 a, b = base + pc.offset, base + pc.offset + pc.numel
-                master = self.master[a:b] if self.mixed else seg.param[pc.offset: pc.offset + pc.numel]
+                master = self.master[a:b] if self.master is not None else seg.param[pc.offset: pc.offset + pc.numel]
                 out.append((ps[pc.index], pc.param_offset,
                             {"master": master, "exp_avg": self.exp_avg[a:b], "exp_avg_sq": self.exp_avg_sq[a:b]}))
         return out
@@ -386,7 +386,7 @@ class ZeroOptimizer:
         self.step_count = int(state["step_count"])
         if self.scaler is not None and state.get("loss_scaler") is not None:
             self.scaler.load_state_dict(state["loss_scaler"])
-        if self.mixed:
+        if self.master is not None:  # a separate fp32 master: the model's parameters follow it
             for s, a in zip(self.store.segments, self._starts):
                 s.param.copy_(self.master[a: a + s.param.numel()])
         self.store.after_step()
