@@ -366,7 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "--save", "training.save", "checkpoint directory", metavar="DIR")
     add(g, "--save-interval", "training.save_interval", "steps between checkpoints, 0 only at the end",
         type=int)
-    add(g, "--load", "training.load", "checkpoint directory to resume from", metavar="DIR")
+    add(g, "--load", "training.load", "resume from a --save directory (its latest checkpoint), a step_N directory, "
+        "or auto: the newest checkpoint under --save if there is one (for torchrun --max-restarts)", metavar="DIR")
     add(g, "--keep-last", "training.keep_last", "keep only the newest N checkpoints", type=int)
 
     g = parser.add_argument_group("DeepSpeed compatibility")
@@ -580,6 +581,9 @@ def resolve_config(cfg: Config, world_size: int) -> Config:
     _require(t.eval_interval >= 0, f"--eval-interval must be >= 0 (0 disables), got {t.eval_interval}")
     _require(t.save_interval >= 0, f"--save-interval must be >= 0, got {t.save_interval}")
     _require(t.save_interval == 0 or t.save is not None, "--save-interval needs --save DIR")
+    _require(t.keep_last is None or t.save is not None, "--keep-last needs --save DIR")
+    _require(t.load != "auto" or t.save is not None,
+             "--load auto resumes from the newest checkpoint under --save DIR; pass --save DIR too")
     _require(0.0 <= cfg.data.eval_fraction < 1.0, f"data eval_fraction must be in [0, 1), got "
              f"{cfg.data.eval_fraction}")
 
@@ -599,9 +603,6 @@ def _check_not_yet_supported(cfg: Config) -> None:
     # CPU offload: lifted by the zero/offload.py issue.
     if cfg.zero.offload_optimizer is not None or cfg.zero.offload_param is not None:
         missing.append("zero_optimization.offload_optimizer/offload_param (CPU offload)")
-    # Checkpointing: lifted by the checkpoint.py issue (sharded save/load with a manifest).
-    if cfg.training.save is not None or cfg.training.load is not None:
-        missing.append("--save/--load (checkpointing)")
     if missing:
         raise ConfigError("; ".join(f"{item} is not supported yet" for item in missing)
                           + " by megazero; drop these settings for now")
