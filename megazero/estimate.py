@@ -216,8 +216,9 @@ def _layer_bytes(model: ModelConfig, micro_batch: int, tp_size: int, sequence_pa
     drop = model.dropout > 0
     if fused_attention:
         core = 4 * a * sb / t
-    else:
+    else:  # the math path copies q (scaled) and k (transposed); v too when b > 1, else v's view keeps all of qkv
         core = e * a * s * sb / t + ((mask_bytes + e) * a * s * sb / t if drop else 0)
+        core += 2 * e * sbh / t if micro_batch == 1 else 0
     total = (4 * e * sbh + 4 * e * sb) / sp + 12 * e * sbh / t + core + (2 * mask_bytes * sbh / sp if drop else 0)
     return _LayerBytes(total, core, 3 * e * sbh / t, e * sbh / t if fused_attention else 0.0, e * sbh / sp)
 
@@ -242,7 +243,9 @@ def activation_bytes(model: ModelConfig, micro_batch: int, *, tp_size: int = 1, 
     * TP-sharded tensors ``12e·sbh/t``: q, k, v (3), attention output = projection input (1), GELU input (4)
       and the second MLP input (4) -- the paper's 24/t in 16 bits;
     * attention core: fused (flash/efficient SDPA, no dropout in the kernel's memory) ``4·asb/t`` for the fp32
-      log-sum-exp; unfused ``e·as²b/t`` for the softmax (+ ``(m + e)·as²b/t`` for its dropout mask and output);
+      log-sum-exp; unfused ``e·as²b/t`` for the softmax (+ ``(m + e)·as²b/t`` for its dropout mask and output)
+      and, at micro-batch 1, ``2e·sbh/t`` more: the math path saves copies of q and k while v stays a view
+      that keeps the whole qkv buffer alive (with b > 1 v is copied too, and the copies replace q, k, v);
     * with dropout: two masks ``2m·sbh`` (/t with SP).
 
     ``m`` = ``mask_bytes`` is the size of a dropout-mask element: 1 where kernels keep bool masks (CUDA), the

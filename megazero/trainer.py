@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from megazero.checkpoint import load_checkpoint, maybe_inject_fault, save_checkpoint
 from megazero.config import Config
 from megazero.data import DistributedBatchSampler, build_datasets, collate, resolve_tokenizer
 from megazero.engine import Engine, StepResult
@@ -130,6 +131,10 @@ def run_training(cfg: Config, ctx: ParallelContext, device: torch.device | None 
              " %d training samples of %d tokens", ctx.tp_size, ctx.pp_size, ctx.dp_size, cfg.zero.stage,
              t.precision, t.global_batch_size, t.micro_batch_size, t.gradient_accumulation_steps, ctx.dp_size,
              len(train_ds), m.seq_len)
+    if t.load is not None:  # auto: the newest checkpoint under --save, if any (a torchrun restart)
+        auto = t.load == "auto"
+        if load_checkpoint(engine, sampler, t.save if auto else t.load, tokenizer, missing_ok=auto) is None:
+            log.info("--load auto: no checkpoint under %s yet, starting from step 0", t.save)
     engine.check_tied_embeddings()
     eval_batches = _eval_batches(cfg, ctx, eval_ds) if eval_ds is not None and t.eval_interval > 0 else []
     writer = MetricsWriter(cfg.logging.log_dir, enabled=ctx.rank == 0, wandb_run=_init_wandb(cfg, ctx))
@@ -137,15 +142,17 @@ def run_training(cfg: Config, ctx: ParallelContext, device: torch.device | None 
     if ctx.rank == 0 and cfg.logging.progress and sys.stderr.isatty():
         from tqdm import tqdm
 
-        bar = tqdm(total=t.train_steps, desc="train", unit="step", dynamic_ncols=True)
+        bar = tqdm(total=t.train_steps, initial=engine.step, desc="train", unit="step", dynamic_ncols=True)
     summary = TrainSummary()
     start = time.perf_counter()
     interval_start, interval_tokens = start, 0
+    first = engine.step + 1  # after a resume, the step after the checkpoint's
     try:
-        for step in range(1, t.train_steps + 1):
+        for step in range(first, t.train_steps + 1):
             step_start = time.perf_counter()
             batch = [collate(train_ds, idx) for idx in sampler.next_global_batch()]
             res = engine.train_step(batch)
+            maybe_inject_fault("step", ctx.rank, step)
             step_seconds = time.perf_counter() - step_start
             summary.losses.append(res.loss)
             summary.tokens += res.tokens
@@ -164,7 +171,7 @@ def run_training(cfg: Config, ctx: ParallelContext, device: torch.device | None 
                     now = time.perf_counter()
                     tok_s = interval_tokens / (now - interval_start)
                     interval_start, interval_tokens = now, 0
-                    eta = (now - start) / step * (t.train_steps - step)
+                    eta = (now - start) / (step - first + 1) * (t.train_steps - step)
                     msg = (f"step {step}/{t.train_steps} loss {res.loss:.4f}"
                            + (f" eval {eval_loss:.4f}" if eval_loss is not None else "")
                            + f" lr {res.lr:.2e} grad_norm {res.grad_norm:.3f} {tok_s:,.0f} tok/s ETA {eta:.0f}s")
@@ -172,6 +179,8 @@ def run_training(cfg: Config, ctx: ParallelContext, device: torch.device | None 
                         bar.write(msg)
                     else:
                         log.info(msg)
+            if t.save is not None and (step == t.train_steps or (t.save_interval and step % t.save_interval == 0)):
+                save_checkpoint(engine, sampler, t.save, tokenizer, t.keep_last)
             if bar is not None:
                 bar.set_postfix(loss=f"{res.loss:.3f}", lr=f"{res.lr:.1e}")
                 bar.update(1)
@@ -181,8 +190,11 @@ def run_training(cfg: Config, ctx: ParallelContext, device: torch.device | None 
         writer.close()
     engine.check_tied_embeddings()
     summary.seconds = time.perf_counter() - start
-    log.info("trained %d steps in %.1fs (%s tokens); loss %.4f -> %.4f", t.train_steps, summary.seconds,
-             f"{summary.tokens:,}", summary.losses[0], summary.losses[-1])
+    if summary.losses:
+        log.info("trained steps %d-%d in %.1fs (%s tokens); loss %.4f -> %.4f", first, t.train_steps,
+                 summary.seconds, f"{summary.tokens:,}", summary.losses[0], summary.losses[-1])
+    else:
+        log.info("nothing to train: resumed at step %d of --train-steps %d", engine.step, t.train_steps)
     if keep_final_state:
         summary.final_state = engine.full_state_dict()
     return summary
