@@ -118,8 +118,8 @@ class ZeroConfig:
     stage3_prefetch_bucket_size: int = 50_000_000
     stage3_param_persistence_threshold: int = 100_000
     stage3_max_live_parameters: int = 1_000_000_000
-    offload_optimizer: str | None = None  # "cpu" once offload lands
-    offload_param: str | None = None
+    offload_optimizer: str | None = None  # "cpu": master weights and Adam moments in host memory
+    offload_param: str | None = None  # "cpu": ZeRO-3 parameter shards in host memory
     offload_optimizer_pin_memory: bool = False  # zero_optimization.offload_optimizer.pin_memory
     offload_param_pin_memory: bool = False  # zero_optimization.offload_param.pin_memory
 
@@ -309,6 +309,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=_int_list, metavar="N,N,...")
     add(g, "--zero-stage", "zero.stage", "ZeRO stage: 1 optimizer states, 2 +gradients, 3 +parameters",
         type=int, choices=(0, 1, 2, 3))
+    add(g, "--offload-optimizer", "zero.offload_optimizer", "keep fp32 master weights and Adam moments in host "
+        "memory and step on the CPU (ZeRO-Offload; stages 1-3)", action="store_const", const="cpu")
+    add(g, "--offload-param", "zero.offload_param", "keep ZeRO-3 parameter shards in host memory",
+        action="store_const", const="cpu")
     add(g, "--activation-checkpointing", "activation_checkpointing.mode", "recompute activations in backward",
         choices=_CHECKPOINTING_MODES)
     add(g, "--backend", "parallel.backend", "torch.distributed backend; None picks nccl on CUDA, else gloo",
@@ -600,9 +604,6 @@ def _check_not_yet_supported(cfg: Config) -> None:
     # ZeRO-3 with several model chunks per rank: stage 3's hooks need one root module per rank.
     if cfg.zero.stage == 3 and cfg.parallel.virtual_stages > 1:
         missing.append("--zero-stage 3 with --virtual-stages > 1 (interleaved schedule)")
-    # CPU offload: lifted by the zero/offload.py issue.
-    if cfg.zero.offload_optimizer is not None or cfg.zero.offload_param is not None:
-        missing.append("zero_optimization.offload_optimizer/offload_param (CPU offload)")
     if missing:
         raise ConfigError("; ".join(f"{item} is not supported yet" for item in missing)
                           + " by megazero; drop these settings for now")

@@ -169,7 +169,8 @@ def model_state_bytes(numels: Sequence[int] | float, stage: int, dp_size: int, p
     params = e * persistent + e * (psi - persistent) / nd if stage == 3 else e * psi
     grads = e * psi / nd if stage >= 2 else e * psi
     owned = psi / nd if stage >= 1 else psi
-    master = 4 * owned if e != 4 else 0.0  # fp32: the parameters are their own master copy
+    # fp32: the parameters are their own master copy, unless offload keeps a separate one in host memory
+    master = 4 * owned if e != 4 or offload_optimizer else 0.0
     states = 8 * owned  # Adam's two fp32 moments
     offloaded = (master + states if offload_optimizer else 0.0) + (
         e * (psi - persistent) / nd if offload_param and stage == 3 else 0.0)

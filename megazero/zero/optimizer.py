@@ -32,11 +32,20 @@ moments of this rank's partition only (K = 12 bytes per owned element; stage 0 o
 the loss (:mod:`.loss_scaler`): an overflow anywhere, agreed over the DP and model-parallel groups through the
 gradient norm, skips the step and leaves the master weights untouched.
 
+Offload (ZeRO-Offload, ``offload_optimizer: {device: cpu}``, stages 1-3): the fp32 master partition and the
+Adam moments live in host memory (pinned with ``pin_memory`` when a GPU is present); each step copies this
+rank's reduced gradient partition to the host, runs Adam there in chunks, and copies each updated chunk back to
+the device parameters while the next chunk is computed (the copies are asynchronous from pinned memory). In
+fp32 the device parameters then need a separate host master copy. ``offload_param: {device: cpu}`` (stage 3)
+keeps the parameter shards in host memory too; :mod:`.stage3` moves a shard to the device just before its
+all-gather. ``model_state_bytes()["offloaded_bytes"]`` says how much of the model states lives on the host.
+
 Clipping uses the global norm of the unpartitioned gradient: squares are summed over this rank's partition,
 then over ``dp_group`` (stages 1-3; stage 0 holds the full reduced gradient) and over ``norm_group`` (the
 model-parallel group), counting TP-replicated parameters once (``norm_counted``). The coefficient is
-``torch.nn.utils.clip_grad_norm_``'s: ``min(1, clip / (norm + 1e-6))``. The Adam/AdamW arithmetic is
-``torch.optim.AdamW``'s; weight decay applies to parameters with ``ndim >= 2``.
+``torch.nn.utils.clip_grad_norm_``'s: ``min(1, clip / (norm + 1e-6))``. The Adam/AdamW update is torch's fused
+kernel (``torch.optim.AdamW(fused=True)``'s arithmetic) over the flat partition; weight decay applies to
+parameters with ``ndim >= 2``.
 """
 
 from __future__ import annotations
@@ -142,7 +151,8 @@ class ZeroOptimizer:
         if zero_cfg.stage == 3:
             from megazero.zero.stage3 import Stage3Params
 
-            self.store = Stage3Params(model, self.dtype, dp_group, zero_cfg, align=align, isolate=tied_params)
+            self.store = Stage3Params(model, self.dtype, dp_group, zero_cfg, align=align, isolate=tied_params,
+                                      offload_param=zero_cfg.offload_param == "cpu")
         else:
             self.store = BucketedParams(
                 self.params, self.dtype, dp_group, shard_optimizer=self.sharded.optimizer_states,
@@ -168,12 +178,14 @@ class ZeroOptimizer:
         for s in segs:
             self._starts.append(self._starts[-1] + s.param.numel())
         self.owned_numel = self._starts[-1]
-        device = segs[0].param.device
+        self.offload = self.cfg.offload_optimizer == "cpu"
+        pin = self.offload and self.cfg.offload_optimizer_pin_memory and torch.cuda.is_available()
+        device = torch.device("cpu") if self.offload else segs[0].param.device  # where optimizer states live
         self.mixed = self.dtype != torch.float32
-        if self.mixed:  # fp32 master copy of the owned partition, from the fp32 model before conversion
-            self.master = torch.empty(self.owned_numel, dtype=torch.float32, device=device)
+        if self.mixed or self.offload:  # an fp32 master copy of the owned partition (from the fp32 model)
+            self.master = torch.empty(self.owned_numel, dtype=torch.float32, device=device, pin_memory=pin)
             for s, a in zip(segs, self._starts):
-                self.master[a: a + s.param.numel()].copy_(s.init)
+                self.master[a: a + s.param.numel()].copy_(s.init if s.init is not None else s.param)
                 s.init = None
             self._pieces = [(0, self.owned_numel, self.master)]
         else:  # the parameters are their own master; merge segments that are adjacent in memory
@@ -186,8 +198,8 @@ class ZeroOptimizer:
                                         _extend(prev[2], s.param.numel()))
                 else:
                     self._pieces.append((a, a + s.param.numel(), s.param))
-        self.exp_avg = torch.zeros(self.owned_numel, dtype=torch.float32, device=device)
-        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+        self.exp_avg = torch.zeros(self.owned_numel, dtype=torch.float32, device=device, pin_memory=pin)
+        self.exp_avg_sq = torch.zeros(self.owned_numel, dtype=torch.float32, device=device, pin_memory=pin)
         self._decay_runs = _runs(segs, self._starts, lambda p: p.ndim >= 2)
         self._norm_runs = _runs(segs, self._starts, lambda p: self.norm_counted.get(p, True))
 
@@ -215,9 +227,12 @@ class ZeroOptimizer:
         return self.scaler.scale if self.scaler is not None else None
 
     def _owned_grads_fp32(self) -> torch.Tensor:
-        g = torch.empty(self.owned_numel, dtype=torch.float32, device=self.exp_avg.device)
+        g = torch.empty(self.owned_numel, dtype=torch.float32, device=self.exp_avg.device,
+                        pin_memory=self.exp_avg.is_pinned())
         for s, a in zip(self.store.segments, self._starts):
-            g[a: a + s.grad.numel()].copy_(s.grad)
+            g[a: a + s.grad.numel()].copy_(s.grad, non_blocking=True)
+        if g.is_pinned():
+            torch.cuda.current_stream().synchronize()  # device-to-host copies done before Adam reads them
         return g
 
     def _global_sq_norm(self, g: torch.Tensor) -> float:
@@ -247,46 +262,87 @@ class ZeroOptimizer:
             coef = min(1.0, self.opt_cfg.clip_grad / (norm + 1e-6))
         if coef / scale != 1.0:
             g.mul_(coef / scale)
-        self._adam(g, lr)
+        if self.offload:
+            self._adam_offloaded(g, lr)
+        else:
+            self._adam(g, lr)
+            if self.mixed:
+                for s, a in zip(self.store.segments, self._starts):
+                    s.param.copy_(self.master[a: a + s.param.numel()])
         del g
-        if self.mixed:
-            for s, a in zip(self.store.segments, self._starts):
-                s.param.copy_(self.master[a: a + s.param.numel()])
         self.store.after_step()
         if self.scaler is not None:
             self.scaler.update(overflow=False)
         return StepStats(grad_norm=norm, skipped=False, loss_scale=self.loss_scale)
 
     @torch.no_grad()
+    def _adam_offloaded(self, g: torch.Tensor, lr: float, chunk: int = 1 << 23) -> None:
+        """Adam on the host in chunks; each updated chunk is copied to the device parameters (asynchronously
+        from pinned memory) while the next chunk is computed."""
+        self.step_count += 1
+        for lo in range(0, self.owned_numel, chunk):
+            hi = min(lo + chunk, self.owned_numel)
+            self._adam_update(self.master[lo:hi], g, lr, lo, hi)
+            for s, a in zip(self.store.segments, self._starts):
+                a_lo, a_hi = max(a, lo), min(a + s.param.numel(), hi)
+                if a_lo < a_hi:
+                    s.param[a_lo - a: a_hi - a].copy_(self.master[a_lo:a_hi], non_blocking=True)
+
+    @torch.no_grad()
     def _adam(self, g: torch.Tensor, lr: float) -> None:
         """``torch.optim.Adam``/``AdamW`` (single-tensor arithmetic) on the owned partition."""
+        self.step_count += 1
+        for a, b, p in self._pieces:
+            self._adam_update(p, g, lr, a, b)
+
+    def _adam_update(self, p: torch.Tensor, g: torch.Tensor, lr: float, lo: int, hi: int) -> None:
+        """One Adam/AdamW update of owned elements [lo, hi), held in ``p``.
+
+        Runs torch's fused Adam(W) kernel (CPU and CUDA) over the flat buffer's runs: the weight-decayed runs
+        (matrices) in one call, the others in a second; falls back to the same arithmetic in plain ops.
+        """
         cfg = self.opt_cfg
         beta1, beta2 = cfg.betas
-        wd = cfg.weight_decay
-        self.step_count += 1
         t = self.step_count
-        step_size = lr / (1 - beta1 ** t)
-        bias_correction2_sqrt = (1 - beta2 ** t) ** 0.5
-        for a, b, p in self._pieces:
-            grad, m, v = g[a:b], self.exp_avg[a:b], self.exp_avg_sq[a:b]
-            if wd != 0:
-                for ra, rb in self._decay_runs:
-                    lo, hi = max(ra, a), min(rb, b)
-                    if lo >= hi:
-                        continue
-                    if cfg.decoupled_weight_decay:
-                        p[lo - a: hi - a].mul_(1 - lr * wd)
-                    else:
-                        grad[lo - a: hi - a].add_(p[lo - a: hi - a], alpha=wd)
-            m.lerp_(grad, 1 - beta1)
-            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            denom = (v.sqrt() / bias_correction2_sqrt).add_(cfg.eps)
-            p.addcdiv_(m, denom, value=-step_size)
+        runs: list[tuple[int, int, bool]] = []  # (start, end, decayed) covering [lo, hi)
+        pos = lo
+        for ra, rb in self._decay_runs:
+            a, b = max(ra, lo), min(rb, hi)
+            if a >= b:
+                continue
+            if pos < a:
+                runs.append((pos, a, False))
+            runs.append((a, b, True))
+            pos = b
+        if pos < hi:
+            runs.append((pos, hi, False))
+        fused = getattr(torch, "_fused_adamw_" if cfg.decoupled_weight_decay else "_fused_adam_", None)
+        for decayed in (True, False):
+            sel = [(a - lo, b - lo) for a, b, d in runs if d == decayed]
+            if not sel:
+                continue
+            ps = [p[a:b] for a, b in sel]
+            gs, ms, vs = ([x[lo:hi][a:b] for a, b in sel] for x in (g, self.exp_avg, self.exp_avg_sq))
+            wd = cfg.weight_decay if decayed else 0.0
+            if fused is not None:
+                steps = [torch.tensor(float(t), device=p.device) for _ in sel]
+                fused(ps, gs, ms, vs, [], steps, lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=cfg.eps,
+                      amsgrad=False, maximize=False)
+                continue
+            for pp, gg, m, v in zip(ps, gs, ms, vs):
+                if wd and cfg.decoupled_weight_decay:
+                    pp.mul_(1 - lr * wd)
+                elif wd:
+                    gg = gg.add(pp, alpha=wd)
+                m.lerp_(gg, 1 - beta1)
+                v.mul_(beta2).addcmul_(gg, gg, value=1 - beta2)
+                denom = (v.sqrt() / (1 - beta2 ** t) ** 0.5).add_(cfg.eps)
+                pp.addcdiv_(m, denom, value=-lr / (1 - beta1 ** t))
 
     # -- inspection ----------------------------------------------------------------------------------------
     def master_params(self) -> dict[str, torch.Tensor]:
         """The full fp32 master value of every trainable parameter, by name (a collective over ``dp_group``)."""
-        if self.mixed:
+        if self.master is not None:
             values = [self.master[a: a + s.param.numel()] for s, a in zip(self.store.segments, self._starts)]
         else:
             values = [s.param for s in self.store.segments]
@@ -313,7 +369,8 @@ class ZeroOptimizer:
         ``params_bytes``: the model's parameter storages plus parameter shards/buffers the optimizer keeps;
         ``grads_bytes``: gradient buffers (full, owned partition, or in-flight buckets) and stray ``.grad``;
         ``master_params_bytes``: the fp32 master partition (0 in fp32, where parameters are their own master);
-        ``optimizer_states_bytes``: the Adam moments.
+        ``optimizer_states_bytes``: the Adam moments; ``offloaded_bytes``: how much of all the above lives in
+        host memory (offload), so the device holds the sum of the four minus this.
         """
         seen: set[int] = set()
         held = self.store.held_tensors()
@@ -321,8 +378,10 @@ class ZeroOptimizer:
         grads = storage_bytes([p.grad for p in self.model.parameters()] + held["grads"], seen)
         master = storage_bytes([self.master] if self.master is not None else [], seen)
         states = storage_bytes([self.exp_avg, self.exp_avg_sq], seen)
+        offloaded = (master + states) if self.offload else 0
+        offloaded += storage_bytes(held.get("offloaded_params", []), set())
         return {"params_bytes": params, "grads_bytes": grads, "master_params_bytes": master,
-                "optimizer_states_bytes": states}
+                "optimizer_states_bytes": states, "offloaded_bytes": offloaded}
 
     def padded_numel(self) -> dict[str, int]:
         """Elements of the flat buffers as laid out (Ψ plus padding): what each collective moves."""
@@ -390,7 +449,6 @@ class ZeroOptimizer:
             for s, a in zip(self.store.segments, self._starts):
                 s.param.copy_(self.master[a: a + s.param.numel()])
         self.store.after_step()
-
 
 
 def _adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -21,6 +21,8 @@ While released, a parameter's ``.data`` is a shared one-element NaN placeholder 
 * **Prefetch**: the first forward and backward record the order of use; later passes gather the next units
   of that order ahead of use in one coalesced all-gather, up to ``stage3_prefetch_bucket_size`` elements and
   never beyond ``stage3_max_live_parameters`` gathered elements.
+* **Offload** (``offload_param``): the shards live in host memory (pinned when a GPU is present) and are
+  copied to the device just before their all-gather; the optimizer writes updated values into the host shard.
 * **Persistence**: parameters of at most ``stage3_param_persistence_threshold`` elements (DeepSpeed's rule)
   stay whole on every rank, handled like stage 2 by a :class:`~megazero.zero.partition.BucketedParams`.
 * **Order check**: every gather first all-gathers a small fingerprint (phase, sequence number, unit ids) over
@@ -99,10 +101,10 @@ class _PreBackward(torch.autograd.Function):
 class _GatherBatch:
     """One coalesced all-gather of several units' shards; the first ``wait`` copies every unit out."""
 
-    def __init__(self, units: list[_Unit], group: Group) -> None:
+    def __init__(self, units: list[_Unit], group: Group, device: torch.device) -> None:
         self.units = units
         self.n = group.size
-        send = torch.cat([u.shard for u in units])
+        send = torch.cat([u.shard for u in units]).to(device, non_blocking=True)
         self.recv = torch.empty(self.n * send.numel(), dtype=send.dtype, device=send.device)
         self.work = group.all_gather_into(self.recv, send, tag="param", async_op=True)
 
@@ -142,7 +144,7 @@ class Stage3Params:
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, dp_group: Group, cfg: ZeroConfig, *,
                  align: int = 16, extra_entry_points: dict[type, Sequence[str]] | None = None,
-                 isolate: Sequence[nn.Parameter] = ()) -> None:
+                 isolate: Sequence[nn.Parameter] = (), offload_param: bool = False) -> None:
         if extra_entry_points is None:
             from megazero.tensor_parallel import VocabParallelEmbedding
 
@@ -163,9 +165,12 @@ class Stage3Params:
             bucket_numel=min(cfg.reduce_bucket_size, cfg.allgather_bucket_size), align=align,
             overlap_comm=cfg.overlap_comm, reduce_scatter=cfg.reduce_scatter, isolate=isolate) if persistent else None
         layouts = [FlatLayout([p.numel() for p in ps], dp_group.size, align) for _, _, ps in spec if ps]
-        device = next(model.parameters()).device
+        device = self.device = next(model.parameters()).device
         total = sum(lay.shard_numel for lay in layouts)
-        self.shard_flat = torch.empty(total, dtype=dtype, device=device)
+        self.offload_param = offload_param
+        host = torch.device("cpu") if offload_param else device
+        pin = offload_param and torch.cuda.is_available()
+        self.shard_flat = torch.empty(total, dtype=dtype, device=host, pin_memory=pin)
         self.owned_grad = torch.zeros(total, dtype=dtype, device=device)
         self.units: list[_Unit] = []
         self._placeholder = torch.full((1,), float("nan"), dtype=dtype, device=device)
@@ -322,9 +327,10 @@ class Stage3Params:
                 p.data = view
             u.gathered = True
         if len(units) == 1:
-            units[0].work = self.dp_group.all_gather_into(units[0].full, units[0].shard, tag="param", async_op=True)
+            shard = units[0].shard.to(self.device, non_blocking=True)  # from host memory when offloaded
+            units[0].work = self.dp_group.all_gather_into(units[0].full, shard, tag="param", async_op=True)
             return
-        batch = _GatherBatch(units, self.dp_group)
+        batch = _GatherBatch(units, self.dp_group, self.device)
         for u in units:
             u.work = batch
 
@@ -497,4 +503,5 @@ class Stage3Params:
             held = self.persistent.held_tensors()
             params += held["params"]
             grads += held["grads"]
-        return {"params": params, "grads": grads}
+        # what of the above lives in host memory (``offload_param``)
+        return {"params": params, "grads": grads, "offloaded_params": [self.shard_flat] if self.offload_param else []}
