@@ -73,6 +73,24 @@ def test_recomputation_reproduces_dropout_masks_and_rng_streams(monkeypatch):
         assert not torch.allclose(grads, ref_grads, rtol=1e-3, atol=0), mode
 
 
+def test_checkpoint_refuses_inputs_without_grad():
+    """Autograd would never call the recomputation, leaving the parameters inside without gradients."""
+    layer = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="needs an input that requires grad"):
+        checkpointing.checkpoint(layer, torch.ones(2, 4), options=checkpointing.CheckpointOptions())
+
+
+def _partition_round_trip(ctx) -> bool:
+    x = torch.arange(21.0).view(3, 7)  # 21 elements: the last rank's slice is zero-padded
+    part = checkpointing.partition_tensor(x, ctx.tp_group)
+    assert part.numel() == 11
+    return torch.equal(checkpointing.gather_partition(part, ctx.tp_group, x.shape), x)
+
+
+def test_partition_round_trip_with_padding():
+    assert run_world(_partition_round_trip, 2, tp=2) == [True, True]
+
+
 # -- parity with one process (fp32, 1e-5) and identical dropout masks in gloo worlds -----------------------
 def _dropout_pairs_equal(merged, pairs: list[tuple[int, int]]) -> None:
     for a, b in pairs:

@@ -209,11 +209,17 @@ def checkpoint(function: Callable[..., Any], *inputs: torch.Tensor, options: Che
 
     ``inputs`` are tensors (close over everything else); ``partition[i]`` says input ``i`` is replicated
     over ``options.tp_group`` and may be stored partitioned (default: none is). Returns what ``function``
-    returns (a tensor or a tuple of tensors). Without autograd (evaluation) ``function`` just runs.
+    returns (a tensor or a tuple of tensors). Without autograd (evaluation) ``function`` just runs. With
+    autograd, at least one input must require grad (the recomputation runs from this node's backward).
     """
     if not torch.is_grad_enabled():
         return function(*inputs)
     partition = partition or (False,) * len(inputs)
     if len(partition) != len(inputs):
         raise ValueError(f"partition has {len(partition)} entries for {len(inputs)} inputs")
+    if not any(x.requires_grad for x in inputs):
+        # the recomputation runs from this function's backward, which autograd only calls for inputs that
+        # need a gradient: the parameters inside would silently get none
+        raise ValueError("activation checkpointing needs an input that requires grad (a frozen embedding "
+                         "feeding checkpointed layers would leave their parameters without gradients)")
     return _CheckpointFunction.apply(function, options, partition, *inputs)
