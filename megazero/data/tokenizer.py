@@ -123,6 +123,53 @@ class Tokenizer:
     def __repr__(self) -> str:
         return f"Tokenizer(model_path={str(self.model_path)!r}, vocab_size={self.vocab_size})"
 
+    def save_hf(self, out_dir: str | os.PathLike[str], model_max_length: int | None = None) -> None:
+        """Write ``tokenizer.json`` and ``tokenizer_config.json`` so that ``transformers.AutoTokenizer``
+        loads a fast tokenizer that encodes every text to the same ids as :meth:`encode`.
+
+        The SentencePiece BPE becomes a ``tokenizers`` BPE with byte fallback whose vocabulary spells spaces
+        as spaces (SentencePiece's ``"▁"`` rewritten), with no normalizer and no pre-tokenizer: the model
+        has no dummy prefix and identity normalisation, so raw text maps straight to pieces, and a literal
+        ``"▁"`` in the text is in no piece and falls back to its UTF-8 bytes, as :meth:`encode` does. Merges
+        are every split of each piece into two pieces, ranked by the piece's score (SentencePiece merges the
+        best-scoring adjacent pair first, leftmost on ties, as the ranked merges do). The newline is an added
+        token, matched before BPE like SentencePiece's user-defined symbol; ``<unk>``, ``<s>`` and ``</s>``
+        are special tokens. Needs the ``tokenizers`` package (installed with ``transformers``).
+        """
+        from sentencepiece import sentencepiece_model_pb2
+        from tokenizers import AddedToken, decoders
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers.models import BPE
+
+        proto = sentencepiece_model_pb2.ModelProto()
+        proto.ParseFromString(self._sp.serialized_model_proto())
+        normal, user, vocab = sentencepiece_model_pb2.ModelProto.SentencePiece.NORMAL, [], {}
+        scored = []
+        for i, piece in enumerate(proto.pieces):
+            text = piece.piece.replace(_SPACE_PIECE, " ") if piece.type == normal else piece.piece
+            vocab[text] = i
+            if piece.type == normal:
+                scored.append((-piece.score, i, text))
+            elif piece.type == sentencepiece_model_pb2.ModelProto.SentencePiece.USER_DEFINED:
+                user.append(text)
+        merges = [(text[:k], text[k:]) for _, _, text in sorted(scored) for k in range(1, len(text))
+                  if text[:k] in vocab and text[k:] in vocab]
+        unk = self._sp.id_to_piece(self._sp.unk_id())
+        hf = HFTokenizer(BPE(vocab=vocab, merges=merges, unk_token=unk, byte_fallback=True, fuse_unk=True))
+        hf.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
+        specials = [self._sp.id_to_piece(i) for i in (self._sp.unk_id(), self.bos_id, self.eos_id) if i >= 0]
+        hf.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in specials])
+        hf.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        hf.save(str(out / "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": unk, "eos_token": specials[-1],
+                  "bos_token": self._sp.id_to_piece(self.bos_id) if self.bos_id >= 0 else None,
+                  "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+                  "split_special_tokens": True,
+                  "model_max_length": model_max_length or 1_000_000_000_000}
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
 
 def train_options(vocab_size: int, input_sentence_size: int = DEFAULT_INPUT_SENTENCE_SIZE) -> dict[str, Any]:
     """SentencePiece trainer options for an exactly round-tripping BPE model of ``vocab_size`` pieces."""

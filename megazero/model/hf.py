@@ -2,18 +2,20 @@
 
 megazero's linear weights are ``[out, in]`` (``nn.Linear``); GPT-2's ``Conv1D`` weights are ``[in, out]``, so
 the four matrices of a block are transposed. The token embedding is stored once (``lm_head`` is tied to it)
-and vocabulary padding is removed.
+and vocabulary padding is removed. :func:`to_hf_gpt2_tensor` converts one tensor at a time (the checkpoint
+converter streams with it); :func:`to_hf_gpt2_state_dict` converts a whole state dict.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
 
 from megazero.config import ModelConfig
 
-__all__ = ["hf_gpt2_config", "to_hf_gpt2_state_dict"]
+__all__ = ["hf_gpt2_config", "to_hf_gpt2_state_dict", "to_hf_gpt2_tensor"]
 
 _TRANSPOSED = ("attn.qkv.weight", "attn.proj.weight", "mlp.fc.weight", "mlp.proj.weight")
 _BLOCK_NAMES = {
@@ -37,17 +39,22 @@ def hf_gpt2_config(cfg: ModelConfig, **extra: Any) -> dict[str, Any]:
     )
 
 
+def to_hf_gpt2_tensor(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> tuple[str, torch.Tensor]:
+    """One full (unsharded) megazero parameter as ``(GPT2LMHeadModel name, tensor in its layout)``."""
+    if name == "wte.weight":
+        return "transformer.wte.weight", tensor[: cfg.vocab_size]
+    if name in ("wpe.weight", "ln_f.weight", "ln_f.bias"):
+        return f"transformer.{name}", tensor
+    m = re.fullmatch(r"blocks\.(\d+)\.(.+)", name)
+    if m is None or m.group(2) not in _BLOCK_NAMES:
+        raise KeyError(f"{name!r} is not a parameter of megazero's GPT-2")
+    ours = m.group(2)
+    return (f"transformer.h.{m.group(1)}.{_BLOCK_NAMES[ours]}",
+            tensor.t().contiguous() if ours in _TRANSPOSED else tensor)
+
+
 def to_hf_gpt2_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Convert a full (unsharded) megazero GPT state dict into GPT2LMHeadModel's names and layouts."""
-    out: dict[str, torch.Tensor] = {
-        "transformer.wte.weight": state["wte.weight"][: cfg.vocab_size],
-        "transformer.wpe.weight": state["wpe.weight"],
-        "transformer.ln_f.weight": state["ln_f.weight"],
-        "transformer.ln_f.bias": state["ln_f.bias"],
-    }
-    for i in range(cfg.num_layers):
-        for ours, theirs in _BLOCK_NAMES.items():
-            t = state[f"blocks.{i}.{ours}"]
-            out[f"transformer.h.{i}.{theirs}"] = t.t().contiguous() if ours in _TRANSPOSED else t
+    out = dict(to_hf_gpt2_tensor(name, t, cfg) for name, t in state.items())
     out["lm_head.weight"] = out["transformer.wte.weight"]
     return out

@@ -1,0 +1,137 @@
+"""Merge a megazero sharded checkpoint into one fp32 state dict or a Hugging Face GPT-2 directory.
+
+    python tools/convert_checkpoint.py runs/ckpt --out merged/                  # latest checkpoint, safetensors
+    python tools/convert_checkpoint.py runs/ckpt --step 200 --out hf/ --format hf
+
+Every TP, PP and DP/ZeRO shard is merged (vocab padding removed) from the fp32 master weights. Runs on one
+CPU process, no torchrun. Tensors are streamed: each parameter is assembled from just the pieces that hold
+it and written out before the next is read (the safetensors header is computed from the manifest's shapes
+first), so peak memory stays near one parameter, well under one full copy of the model.
+
+``--format safetensors`` (default) writes ``OUT/model.safetensors`` with the single-process GPT's names
+(``wte.weight`` unpadded: ``[vocab_size, hidden]``), ``OUT/config.json`` (megazero's model config) and
+``OUT/tokenizer.model``. ``--format hf`` writes ``config.json`` + ``model.safetensors`` that
+``transformers.GPT2LMHeadModel.from_pretrained(OUT)`` loads (tied ``lm_head``), and the tokenizer as
+``tokenizer.json`` + ``tokenizer_config.json`` for ``transformers.AutoTokenizer.from_pretrained(OUT)``
+(same ids as megazero's tokenizer; see :meth:`megazero.data.tokenizer.Tokenizer.save_hf`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+try:
+    import megazero  # noqa: F401
+except ImportError:  # running from a checkout without `pip install -e .`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+from megazero.checkpoint import TOKENIZER, CheckpointError, CheckpointReader, find_checkpoint
+from megazero.config import ModelConfig
+from megazero.fileio import write_safetensors
+from megazero.model.hf import hf_gpt2_config, to_hf_gpt2_tensor
+
+__all__ = ["build_parser", "convert", "main"]
+
+
+def _order(name: str) -> tuple[int, int, str]:
+    """Model order: embeddings, blocks by layer index, final LayerNorm."""
+    m = re.match(r"blocks\.(\d+)\.", name)
+    if m:
+        return 1, int(m.group(1)), name
+    return (2 if name.startswith("ln_f") else 0), 0, name
+
+
+def convert(step_dir: Path, out: Path, fmt: str = "safetensors", verify: bool = True) -> dict:
+    """Write the merged checkpoint of ``step_dir`` to ``out``; returns a summary dict."""
+    start = time.perf_counter()
+    reader = CheckpointReader(step_dir, verify=verify)
+    manifest = reader.manifest
+    cfg = ModelConfig(**manifest["model"])
+    names = sorted(reader.tensors, key=_order)
+    shapes = {n: tuple(reader.tensors[n]["shape"]) for n in names}
+    out.mkdir(parents=True, exist_ok=True)
+    if fmt == "hf":
+        # shapes after conversion: vocab padding is already gone; the four block matrices are transposed
+        dummy = {n: torch.empty(shapes[n], device="meta") for n in names}
+        target = {n: to_hf_gpt2_tensor(n, dummy[n], cfg) for n in names}
+        entries = [(target[n][0], torch.float32, tuple(target[n][1].shape)) for n in names]
+        source = {target[n][0]: n for n in names}
+
+        def produce(key: str) -> torch.Tensor:
+            name = source[key]
+            return to_hf_gpt2_tensor(name, reader.full_tensor(name), cfg)[1]
+    else:
+        entries = [(n, torch.float32, shapes[n]) for n in names]
+
+        def produce(key: str) -> torch.Tensor:
+            return reader.full_tensor(key)
+
+    written = write_safetensors(out / "model.safetensors", entries, produce, {"format": "pt"})
+    tokenizer_file = step_dir / TOKENIZER
+    if fmt == "hf":
+        from transformers import GPT2Config
+
+        extra = {"architectures": ["GPT2LMHeadModel"], "bos_token_id": 1, "eos_token_id": 2}
+        GPT2Config(**hf_gpt2_config(cfg, **extra)).to_json_file(str(out / "config.json"))
+        if tokenizer_file.is_file():
+            from megazero.data.tokenizer import Tokenizer
+
+            Tokenizer(tokenizer_file).save_hf(out, model_max_length=cfg.seq_len)
+    else:
+        (out / "config.json").write_text(json.dumps({"megazero_model": manifest["model"],
+                                                     "step": manifest["step"]}, indent=2) + "\n")
+    if tokenizer_file.is_file():
+        shutil.copyfile(tokenizer_file, out / TOKENIZER)
+    topo = manifest["topology"]
+    return {"step": manifest["step"], "parameters": sum(int(torch.Size(s).numel()) for s in shapes.values()),
+            "tensors": len(names), "tp": topo["tp"], "pp": topo["pp"], "dp": topo["dp"],
+            "zero_stage": manifest["zero_stage"], "precision": manifest["precision"],
+            "files": len(manifest["files"]), "bytes": written["bytes"], "seconds": time.perf_counter() - start}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tools/convert_checkpoint.py",
+        description="Merge a megazero sharded checkpoint into one fp32 state dict or a Hugging Face GPT-2 model.")
+    parser.add_argument("checkpoint", metavar="CKPT_DIR",
+                        help="a --save directory (its latest checkpoint) or one step_N directory")
+    parser.add_argument("--step", type=int, help="convert step N of CKPT_DIR instead of its latest")
+    parser.add_argument("--out", required=True, metavar="OUT", help="output directory")
+    parser.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                        help="megazero names (default) or a Hugging Face GPT-2 directory")
+    parser.add_argument("--no-verify", action="store_true", help="skip the SHA-256 check of the shard files")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    root = Path(args.checkpoint)
+    try:
+        step_dir = root / f"step_{args.step:08d}" if args.step is not None else find_checkpoint(root)
+        if step_dir is None:
+            raise CheckpointError(f"no checkpoint in {root}: no latest file and no complete step_* directory")
+        if not (step_dir / "manifest.json").is_file():
+            raise CheckpointError(f"{step_dir} is not a complete checkpoint (no manifest.json)")
+        s = convert(step_dir, Path(args.out), args.format, verify=not args.no_verify)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"step {s['step']} of {step_dir}: {s['parameters']:,} parameters in {s['tensors']} tensors, saved at "
+          f"tp={s['tp']} pp={s['pp']} dp={s['dp']} ZeRO-{s['zero_stage']} {s['precision']} ({s['files']} shard "
+          f"files)\nwrote {args.out} ({args.format}, {s['bytes'] / 1e6:.2f} MB) in {s['seconds']:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
