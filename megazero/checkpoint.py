@@ -192,12 +192,6 @@ def _named_params(engine: Any) -> list[tuple[str, torch.nn.Parameter, Any]]:
     return [(n, p, chunk) for chunk in engine.chunks for n, p in chunk.named_parameters()]
 
 
-def _spec_record(p: torch.nn.Parameter, pp_rank: int) -> dict[str, Any]:
-    s = p.shard_spec
-    return {"shape": list(s.full_shape), "local_shape": list(p.shape), "partition_dim": s.partition_dim,
-            "stride": s.stride, "padded_dim_size": s.padded_dim_size, "pp_rank": pp_rank}
-
-
 def _write_rank_file(engine: Any, step_dir: Path) -> dict[str, Any]:
     ctx, opt = engine.ctx, engine.optimizer
     info = {p: (n, chunk) for n, p, chunk in _named_params(engine)}
@@ -226,7 +220,9 @@ def _write_rank_file(engine: Any, step_dir: Path) -> dict[str, Any]:
     fname = f"rank_{ctx.rank:05d}.safetensors"
     written = write_safetensors(step_dir / fname, entries, produce,
                                 {"format": FORMAT, "rank": str(ctx.rank), "step": str(engine.step)})
-    specs = {n: _spec_record(p, ctx.pp_rank) for n, p, _ in _named_params(engine)}
+    specs = {n: {"shape": list(p.shard_spec.full_shape), "local_shape": list(p.shape), "pp_rank": ctx.pp_rank,
+                 **{k: getattr(p.shard_spec, k) for k in ("partition_dim", "stride", "padded_dim_size")}}
+             for n, p, _ in _named_params(engine)}
     return {"file": fname, "coords": ctx.coords(), "pieces": pieces, "specs": specs, **written}
 
 
@@ -354,6 +350,14 @@ class CheckpointReader:
                                       "manifest); restore it or load another checkpoint")
             self._files[name] = SafetensorsFile(path)
         return self._files[name]
+
+    def tokenizer_path(self) -> Path | None:
+        """The run's tokenizer model copied into the checkpoint, checksum-verified (None if it had none)."""
+        tok = self.manifest.get("tokenizer")
+        path = self.dir / tok["file"] if tok else None
+        if path is not None and (not path.is_file() or (self.verify and sha256_file(path) != tok["sha256"])):
+            raise CheckpointError(f"checkpoint file {path} is missing or corrupt (SHA-256 differs from the manifest)")
+        return path
 
     def spec(self, name: str) -> ShardSpec:
         """The saved :class:`ShardSpec` of tensor ``name`` (for the checkpoint's TP size)."""

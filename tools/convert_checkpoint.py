@@ -76,20 +76,20 @@ def convert(step_dir: Path, out: Path, fmt: str = "safetensors", verify: bool = 
             return reader.full_tensor(key)
 
     written = write_safetensors(out / "model.safetensors", entries, produce, {"format": "pt"})
-    tokenizer_file = step_dir / TOKENIZER
+    tokenizer_file = reader.tokenizer_path()
     if fmt == "hf":
         from transformers import GPT2Config
 
         extra = {"architectures": ["GPT2LMHeadModel"], "bos_token_id": 1, "eos_token_id": 2}
         GPT2Config(**hf_gpt2_config(cfg, **extra)).to_json_file(str(out / "config.json"))
-        if tokenizer_file.is_file():
+        if tokenizer_file is not None:
             from megazero.data.tokenizer import Tokenizer
 
             Tokenizer(tokenizer_file).save_hf(out, model_max_length=cfg.seq_len)
     else:
         (out / "config.json").write_text(json.dumps({"megazero_model": manifest["model"],
                                                      "step": manifest["step"]}, indent=2) + "\n")
-    if tokenizer_file.is_file():
+    if tokenizer_file is not None:
         shutil.copyfile(tokenizer_file, out / TOKENIZER)
     topo = manifest["topology"]
     return {"step": manifest["step"], "parameters": sum(int(torch.Size(s).numel()) for s in shapes.values()),
