@@ -346,7 +346,6 @@ def test_resolve_optimizer_name_must_match_decoupling() -> None:
 @pytest.mark.parametrize("argv, world, feature", [
     (["--pp", "2", "--zero-stage", "3", "--pp-schedule", "interleaved", "--virtual-stages", "2", "--num-layers", "4",
       "--global-batch-size", "32"], 2, "--zero-stage 3 with --virtual-stages > 1"),
-    (["--activation-checkpointing", "full"], 1, "--activation-checkpointing full"),
 ])
 def test_not_yet_supported_features(argv: list[str], world: int, feature: str) -> None:
     with pytest.raises(ConfigError, match=rf"{feature}.* is not supported yet"):
