@@ -27,17 +27,15 @@ of the same step is removed, a complete one moved aside to ``step_X.replaced``);
 file (temp file, fsync, ``os.replace``); the ranks agree that all shards were written; rank 0 gathers the
 index, copies the tokenizer, writes ``manifest.json`` and then ``latest`` (each atomically, directory
 fsynced), then deletes incomplete step directories and, with ``keep_last``, older checkpoints (manifest
-first). A kill at any point leaves either the new checkpoint complete or the previous one intact with
-``latest`` still naming it.
+first). A kill at any point leaves the new checkpoint complete or the previous one ``latest``.
 
 **Load** (:func:`load_checkpoint`, any topology, precision or ZeRO stage): each rank reads the manifest,
 checks the model configuration and tokenizer, and reads exactly the runs it owns now. When the TP size is
 unchanged, a run is read straight from the overlapping saved pieces of the same TP shard; otherwise the full
 tensor is assembled from every TP shard's pieces, re-sharded for the new TP rank (vocab padding follows the
 new TP size) and sliced. Only the files holding needed pieces are opened, and each file's SHA-256 is checked
-on first use. RNG states are restored per rank when the topology is unchanged (so a resumed run continues
-bit for bit); after a reshard the default generator comes from saved rank 0 and the TP tracker from the
-saved rank with the same TP rank (dropout masks differ between topologies anyway).
+on first use. RNG states are restored per rank at an unchanged topology (a resumed run continues bit for
+bit); after a reshard from saved rank 0 (TP tracker: the first saved rank of the same TP rank).
 
 **Failure handling.** Every step whose failure some ranks could see and others not ends in a collective
 verdict (:func:`_agree`): the lowest failing rank's message is broadcast and *every* rank raises
@@ -62,7 +60,7 @@ import torch
 
 from megazero.fileio import SafetensorsFile, atomic_write, sha256_file, write_safetensors
 from megazero.log import get_logger
-from megazero.tensor_parallel.layers import ShardSpec, shard_full_tensor, unshard_tensor
+from megazero.tensor_parallel.layers import ShardSpec, shard_full_tensor
 
 __all__ = [
     "CheckpointError",
@@ -359,23 +357,19 @@ class CheckpointReader:
             raise CheckpointError(f"checkpoint file {path} is missing or corrupt (SHA-256 differs from the manifest)")
         return path
 
-    def spec(self, name: str) -> ShardSpec:
-        """The saved :class:`ShardSpec` of tensor ``name`` (for the checkpoint's TP size)."""
-        rec = self.tensors[name]
-        return ShardSpec(tuple(rec["shape"]), "zeros", partition_dim=rec["partition_dim"], stride=rec["stride"],
-                         padded_dim_size=rec["padded_dim_size"])
-
-    def read_range(self, name: str, kind: str, tp_rank: int, start: int, numel: int) -> torch.Tensor:
-        """Elements ``[start, start + numel)`` of saved TP shard ``tp_rank`` of ``name`` (flattened, fp32)."""
+    def read_range(self, name: str, kind: str, tp_rank: int, start: int, numel: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements ``[start, start + numel)`` of saved TP shard ``tp_rank`` of ``name`` (flattened, fp32),
+        read into ``out`` if given."""
         rec = self.tensors[name]
         tp = tp_rank if rec["partition_dim"] is not None else 0
-        out = torch.empty(numel, dtype=torch.float32)
+        out = torch.empty(numel, dtype=torch.float32) if out is None else out
         filled = 0
         for pc in rec["pieces"]:
             lo, hi = max(start, pc["offset"]), min(start + numel, pc["offset"] + pc["numel"])
             if pc["tp"] != tp or lo >= hi:
                 continue
-            out[lo - start: hi - start] = self.file(pc["file"]).read(kind, pc["at"] + lo - pc["offset"], hi - lo)
+            self.file(pc["file"]).read_into(kind, pc["at"] + lo - pc["offset"], out[lo - start: hi - start])
             filled += hi - lo
         if filled != numel:
             raise CheckpointError(f"{self.dir / MANIFEST}: the pieces of {name} do not cover [{start}, "
@@ -383,12 +377,21 @@ class CheckpointReader:
         return out
 
     def full_tensor(self, name: str, kind: str = "master") -> torch.Tensor:
-        """The full, unpadded fp32 tensor ``name`` assembled from every saved TP shard."""
+        """The full, unpadded fp32 tensor ``name`` assembled from every saved TP shard, in place: each shard is
+        read into one reused buffer and copied to its blocks (peak: the tensor plus one shard)."""
         rec = self.tensors[name]
-        shape, local = rec["local_shape"], int(torch.Size(rec["local_shape"]).numel())
-        ranks = range(self.tp_size) if rec["partition_dim"] is not None else range(1)
-        shards = [self.read_range(name, kind, r, 0, local).view(shape) for r in ranks]
-        return unshard_tensor(shards, self.spec(name)).contiguous()
+        local, dim = rec["local_shape"], rec["partition_dim"]
+        numel = int(torch.Size(local).numel())
+        if dim is None:
+            return self.read_range(name, kind, 0, 0, numel).view(local)
+        size, n = local[dim] * self.tp_size, local[dim] // rec["stride"]  # padded dim; rows per block per rank
+        full = torch.empty([size if d == dim else x for d, x in enumerate(local)])
+        shard = torch.empty(local)
+        for r in range(self.tp_size):  # the inverse of shard_full_tensor: block b of rank r's shard
+            self.read_range(name, kind, r, 0, numel, out=shard.view(-1))
+            for b in range(rec["stride"]):
+                full.narrow(dim, b * size // rec["stride"] + r * n, n).copy_(shard.narrow(dim, b * n, n))
+        return full.narrow(dim, 0, rec["shape"][dim]).contiguous()
 
     def values_for(self, name: str, spec: ShardSpec, tp_rank: int, tp_size: int, start: int, numel: int,
                    kind: str) -> torch.Tensor:

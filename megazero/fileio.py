@@ -62,7 +62,7 @@ class _HashingWriter:
     def write(self, data: bytes | memoryview) -> None:
         self.f.write(data)
         self.sha.update(data)
-        self.bytes += len(data)
+        self.bytes += memoryview(data).nbytes
 
 
 def write_safetensors(path: str | os.PathLike, entries: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
@@ -88,7 +88,7 @@ def write_safetensors(path: str | os.PathLike, entries: Iterable[tuple[str, torc
             if tuple(t.shape) != tuple(shape):
                 raise ValueError(f"{key}: produced shape {tuple(t.shape)}, declared {tuple(shape)}")
             if t.numel():
-                w.write(memoryview(t.view(torch.uint8).numpy()))
+                w.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
         out.update(sha256=w.sha.hexdigest(), bytes=w.bytes)
 
     atomic_write(Path(path), write)
@@ -110,17 +110,28 @@ class SafetensorsFile:
         self.path = path
         self.header, self.data_start = read_safetensors_header(path)
 
-    def read(self, key: str, start: int = 0, numel: int | None = None) -> torch.Tensor:
+    def dtype(self, key: str) -> torch.dtype:
+        return {v: k for k, v in _DTYPES.items()}[self.header[key]["dtype"]]
+
+    def read_into(self, key: str, start: int, out: torch.Tensor) -> None:
+        """Fill the contiguous CPU tensor ``out`` with elements ``[start, start + out.numel())`` of ``key``
+        (read straight into ``out``'s memory)."""
         meta = self.header[key]
-        dtype = {v: k for k, v in _DTYPES.items()}[meta["dtype"]]
-        size = torch.empty(0, dtype=dtype).element_size()
-        total = int(torch.Size(meta["shape"]).numel())
-        numel = total - start if numel is None else numel
-        if start < 0 or start + numel > total:
-            raise OSError(f"{self.path}: {key}[{start}:{start + numel}] is outside its {total} elements")
+        total, size = int(torch.Size(meta["shape"]).numel()), out.element_size()
+        if out.dtype != self.dtype(key) or start < 0 or start + out.numel() > total:
+            raise OSError(f"{self.path}: cannot read {key}[{start}:{start + out.numel()}] as {out.dtype} (it has "
+                          f"{total} elements of {meta['dtype']})")
+        if out.numel() == 0:
+            return
         with open(self.path, "rb") as f:
             f.seek(self.data_start + meta["data_offsets"][0] + start * size)
-            buf = bytearray(f.read(numel * size))
-        if len(buf) != numel * size:
+            got = f.readinto(memoryview(out.view(torch.uint8).numpy()).cast("B"))
+        if got != out.numel() * size:
             raise OSError(f"{self.path} is truncated (reading {key})")
-        return torch.frombuffer(buf, dtype=dtype) if numel else torch.empty(0, dtype=dtype)
+
+    def read(self, key: str, start: int = 0, numel: int | None = None) -> torch.Tensor:
+        """Elements ``[start, start + numel)`` of the 1-D tensor ``key`` (to its end by default)."""
+        total = int(torch.Size(self.header[key]["shape"]).numel())
+        out = torch.empty(total - start if numel is None else numel, dtype=self.dtype(key))
+        self.read_into(key, start, out)
+        return out
