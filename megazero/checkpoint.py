@@ -37,11 +37,10 @@ new TP size) and sliced. Only the files holding needed pieces are opened, and ea
 on first use. RNG states are restored per rank at an unchanged topology (a resumed run continues bit for
 bit); after a reshard from saved rank 0 (TP tracker: the first saved rank of the same TP rank).
 
-**Failure handling.** Every step whose failure some ranks could see and others not ends in a collective
-verdict (:func:`_agree`): the lowest failing rank's message is broadcast and *every* rank raises
-:class:`CheckpointError` with it, naming the file or the setting at fault. ``MEGAZERO_FAULT=point:rank:step``
-(points ``after_shards``, ``after_manifest`` here and ``step`` in the trainer) SIGKILLs that rank there, on a
-torchrun job's first attempt only: the hook the crash-safety tests use.
+**Failure handling.** A step that can fail on some ranks only ends in a collective verdict (:func:`_agree`):
+*every* rank raises :class:`CheckpointError` with the lowest failing rank's message (naming the file or
+setting at fault). Testing hook: ``MEGAZERO_FAULT=point:rank:step`` (``after_shards``, ``after_manifest``,
+the trainer's ``step``) SIGKILLs that rank there, on a torchrun job's first attempt only.
 """
 
 from __future__ import annotations
@@ -54,13 +53,19 @@ import shutil
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megazero.fileio import SafetensorsFile, atomic_write, sha256_file, write_safetensors
 from megazero.log import get_logger
+from megazero.metrics import gather_rank_records
 from megazero.tensor_parallel.layers import ShardSpec, shard_full_tensor
+
+if TYPE_CHECKING:
+    from megazero.data import DistributedBatchSampler, Tokenizer
+    from megazero.engine import Engine
+    from megazero.parallel_context import ParallelContext
 
 __all__ = [
     "CheckpointError",
@@ -153,7 +158,7 @@ def _describe(e: BaseException) -> str:
     return str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
 
 
-def _agree(ctx: Any, error: BaseException | None) -> None:
+def _agree(ctx: ParallelContext, error: BaseException | None) -> None:
     """Collective: if any rank failed, every rank raises :class:`CheckpointError` with the lowest failing
     rank's message (a world all-reduce plus, on failure, a broadcast of the message)."""
     world = ctx.world_group
@@ -186,11 +191,11 @@ def maybe_inject_fault(point: str, rank: int, step: int) -> None:
 
 
 # ---- save -------------------------------------------------------------------------------------------------
-def _named_params(engine: Any) -> list[tuple[str, torch.nn.Parameter, Any]]:
+def _named_params(engine: Engine) -> list[tuple[str, torch.nn.Parameter, Any]]:
     return [(n, p, chunk) for chunk in engine.chunks for n, p in chunk.named_parameters()]
 
 
-def _write_rank_file(engine: Any, step_dir: Path) -> dict[str, Any]:
+def _write_rank_file(engine: Engine, step_dir: Path) -> dict[str, Any]:
     ctx, opt = engine.ctx, engine.optimizer
     info = {p: (n, chunk) for n, p, chunk in _named_params(engine)}
     pieces, runs, at = [], [], 0
@@ -224,7 +229,8 @@ def _write_rank_file(engine: Any, step_dir: Path) -> dict[str, Any]:
     return {"file": fname, "coords": ctx.coords(), "pieces": pieces, "specs": specs, **written}
 
 
-def _build_manifest(engine: Any, sampler: Any, entries: list[dict], tokenizer: Any) -> dict[str, Any]:
+def _build_manifest(engine: Engine, sampler: DistributedBatchSampler | None, entries: list[dict],
+                    tokenizer: Tokenizer | None) -> dict[str, Any]:
     cfg, ctx, opt = engine.cfg, engine.ctx, engine.optimizer
     tensors: dict[str, dict[str, Any]] = {}
     for e in entries:
@@ -235,15 +241,11 @@ def _build_manifest(engine: Any, sampler: Any, entries: list[dict], tokenizer: A
         for pc in e["pieces"]:
             tensors[pc["name"]]["pieces"].append({"file": e["file"], **{k: v for k, v in pc.items() if k != "name"}})
     for name, rec in tensors.items():  # every TP shard must be tiled exactly by its pieces
-        local = int(torch.Size(rec["local_shape"]).numel())
         for tp in range(ctx.tp_size if rec["partition_dim"] is not None else 1):
-            end = 0
-            for pc in sorted((q for q in rec["pieces"] if q["tp"] == tp), key=lambda q: q["offset"]):
-                if pc["offset"] != end:
-                    raise CheckpointError(f"internal error: pieces of {name} (tp {tp}) leave a gap at {end}")
-                end += pc["numel"]
-            if end != local:
-                raise CheckpointError(f"internal error: pieces of {name} (tp {tp}) cover {end} of {local} elements")
+            runs = sorted((q["offset"], q["offset"] + q["numel"]) for q in rec["pieces"] if q["tp"] == tp)
+            ends = [0] + [b for _, b in runs]
+            if [a for a, _ in runs] != ends[:-1] or ends[-1] != int(torch.Size(rec["local_shape"]).numel()):
+                raise CheckpointError(f"internal error: the saved pieces of {name} do not tile TP shard {tp}")
     return {
         "format": FORMAT, "version": VERSION, "step": engine.step, "optimizer_step": opt.step_count,
         "consumed_samples": sampler.consumed_samples if sampler is not None else None,
@@ -262,8 +264,8 @@ def _build_manifest(engine: Any, sampler: Any, entries: list[dict], tokenizer: A
     }
 
 
-def save_checkpoint(engine: Any, sampler: Any, root: str | os.PathLike, tokenizer: Any = None,
-                    keep_last: int | None = None) -> Path:
+def save_checkpoint(engine: Engine, sampler: DistributedBatchSampler | None, root: str | os.PathLike,
+                    tokenizer: Tokenizer | None = None, keep_last: int | None = None) -> Path:
     """Save ``engine`` (model, optimizer, RNG, step) and ``sampler``'s position under ``root/step_XXXXXXXX``.
 
     A collective over the world: every rank must call it. Returns the step directory; raises
@@ -277,8 +279,8 @@ def save_checkpoint(engine: Any, sampler: Any, root: str | os.PathLike, tokenize
         try:
             root.mkdir(parents=True, exist_ok=True)
             _prepare_step_dir(step_dir)
-        except OSError as e:
-            error = CheckpointError(f"cannot create checkpoint directory {step_dir}: {e}")
+        except Exception as e:  # noqa: BLE001 - turned into a verdict every rank raises
+            error = CheckpointError(f"cannot create checkpoint directory {step_dir}: {_describe(e)}")
     _agree(ctx, error)
     entry = None
     try:
@@ -287,8 +289,6 @@ def save_checkpoint(engine: Any, sampler: Any, root: str | os.PathLike, tokenize
         error = CheckpointError(f"cannot write {step_dir}/rank_{ctx.rank:05d}.safetensors: {_describe(e)}")
     _agree(ctx, error)
     maybe_inject_fault("after_shards", ctx.rank, engine.step)
-    from megazero.metrics import gather_rank_records  # late: metrics imports the trainer's world
-
     entries = gather_rank_records(entry)
     if ctx.rank == 0:
         try:
@@ -415,7 +415,7 @@ class CheckpointReader:
         return {k: f.read(k).clone() for k in f.header if k.startswith("rng.")}
 
 
-def _check_compatible(reader: CheckpointReader, cfg: Any, tokenizer: Any) -> None:
+def _check_compatible(reader: CheckpointReader, cfg: Any, tokenizer: Tokenizer | None) -> None:
     saved = reader.manifest["model"]
     wrong = [f"{flag} {getattr(cfg.model, f)} != checkpoint's {saved.get(f)}"
              for f, flag in _ARCH_FLAGS.items() if saved.get(f) != getattr(cfg.model, f)]
@@ -429,7 +429,7 @@ def _check_compatible(reader: CheckpointReader, cfg: Any, tokenizer: Any) -> Non
                               f"--tokenizer {reader.dir / TOKENIZER}")
 
 
-def _rng_source(manifest: dict[str, Any], ctx: Any) -> tuple[int, int]:
+def _rng_source(manifest: dict[str, Any], ctx: ParallelContext) -> tuple[int, int]:
     """Saved ranks whose (default, TP-tracker) RNG states this rank takes."""
     topo = manifest["topology"]
     if (topo["tp"], topo["pp"], topo["dp"]) == (ctx.tp_size, ctx.pp_size, ctx.dp_size):
@@ -438,8 +438,8 @@ def _rng_source(manifest: dict[str, Any], ctx: Any) -> tuple[int, int]:
     return 0, min(same_tp) if same_tp else -1
 
 
-def load_checkpoint(engine: Any, sampler: Any, path: str | os.PathLike, tokenizer: Any = None,
-                    missing_ok: bool = False) -> dict[str, Any] | None:
+def load_checkpoint(engine: Engine, sampler: DistributedBatchSampler | None, path: str | os.PathLike,
+                    tokenizer: Tokenizer | None = None, missing_ok: bool = False) -> dict[str, Any] | None:
     """Restore ``engine`` and ``sampler`` from the checkpoint at ``path`` (a step directory, or a ``--save``
     directory: its ``latest``), at this run's topology, precision and ZeRO stage.
 
