@@ -18,7 +18,10 @@ Columns, per rank (fp32, MB = 1e6 bytes):
 * peak bound: stash + recompute (an upper bound on saved activations alive at once during backward);
 * estimate: :func:`megazero.estimate.activation_bytes` / ``recompute_bytes`` / ``checkpoint_host_bytes`` with
   the CPU kernels' settings (unfused attention with dropout, masks in fp32);
-* fwd+bwd: wall seconds of one forward and backward at one thread per rank on shared cores (indicative only).
+
+Time is not reported: on the shared 2-core machine it is noise. Recomputation costs one more forward of
+each block (full: Megatron-LM's 96 vs 72 B·s·l·h² FLOPs, :func:`megazero.metrics.megatron_hardware_flops`)
+or of the attention core (selective: 4·B·s²·h per layer).
 
 Prints a Markdown table.
 """
@@ -28,7 +31,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -49,11 +51,12 @@ SETTINGS = [
     (0.0, "none", False, False), (0.0, "selective", False, False), (0.0, "full", False, False),
     (0.0, "full", True, False), (0.0, "full", False, True), (0.0, "full", True, True),
     (0.1, "none", False, False), (0.1, "selective", False, False), (0.1, "selective", False, True),
+    (0.1, "full", False, False),
 ]
 
 
-def measure(ctx, cfg: ModelConfig, micro_batch: int, sp: bool, settings: list) -> list[tuple[int, int, int, float]]:
-    """Rank function: (device stash, recompute transient, host bytes, seconds) per setting."""
+def measure(ctx, cfg: ModelConfig, micro_batch: int, sp: bool, settings: list) -> list[tuple[int, int, int]]:
+    """Rank function: (device stash, recompute transient, host bytes) per setting."""
     out = []
     for dropout, mode, part, cpu in settings:
         model = GPT(replace(cfg, dropout=dropout), ctx.tp_group, sequence_parallel=sp,
@@ -63,13 +66,11 @@ def measure(ctx, cfg: ModelConfig, micro_batch: int, sp: bool, settings: list) -
         counter = ActivationMemoryCounter(model)
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1), generator=gen)
-        start = time.perf_counter()
         with counter.track():
             loss = model(ids[:, :-1].clone(), ids[:, 1:].clone()).mean()
         host = model.checkpoint_stats.host_bytes
         loss.backward()
-        seconds = time.perf_counter() - start
-        out.append((counter.last, model.checkpoint_stats.recompute_peak_bytes, host, seconds))
+        out.append((counter.last, model.checkpoint_stats.recompute_peak_bytes, host))
         del model, loss
     return out
 
@@ -91,8 +92,8 @@ def main() -> None:
     print(f"{args.model}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads {cfg.num_heads}, seq "
           f"{cfg.seq_len}, micro-batch {b}, fp32; MB = 1e6 bytes per rank\n")
     print("| tp | SP | dropout | recompute | partition | cpu | device stash (MB) | vs none | host (MB) | "
-          "recompute (MB) | peak bound (MB) | estimate stash / recompute / host (MB) | fwd+bwd (s) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "recompute (MB) | peak bound (MB) | estimate stash / recompute / host (MB) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     notes: list[str] = []
     grids = [(tp, sp) for tp in args.tp for sp in ((False, True) if tp > 1 else (False,))]
     for tp, sp in grids:
@@ -105,7 +106,7 @@ def main() -> None:
         notes.extend(f"tp={tp}{' SP' if sp else ''}: TP rank {i} stashes {d:,} bytes more in every setting"
                      for i, d in enumerate(r[0][0] - ranks[0][0][0] for r in ranks) if d)
         base: dict[float, int] = {}
-        for (dropout, mode, part, cpu), (stash, transient, host, seconds) in zip(settings, ranks[0]):
+        for (dropout, mode, part, cpu), (stash, transient, host) in zip(settings, ranks[0]):
             base.setdefault(dropout, stash)
             kw = dict(tp_size=tp, sequence_parallel=sp, precision="fp32", checkpointing=mode)
             kernels = dict(fused_attention=dropout == 0, mask_bytes=4)
@@ -115,8 +116,7 @@ def main() -> None:
                    checkpoint_host_bytes(m, b, **kw, partition_activations=part) if cpu else 0)
             print(f"| {tp} | {'yes' if sp else 'no'} | {dropout} | {mode} | {'yes' if part else 'no'} | "
                   f"{'yes' if cpu else 'no'} | {_mb(stash)} | {stash / base[dropout]:.3f} | {_mb(host)} | "
-                  f"{_mb(transient)} | {_mb(stash + transient)} | {' / '.join(_mb(x) for x in est)} | "
-                  f"{seconds:.1f} |", flush=True)
+                  f"{_mb(transient)} | {_mb(stash + transient)} | {' / '.join(_mb(x) for x in est)} |", flush=True)
     print("\nRows are TP rank 0. " + "; ".join(notes) if notes else "")
 
 
