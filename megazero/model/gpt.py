@@ -196,6 +196,8 @@ class GPT(nn.Module):
             self.wpe.weight = replicated_parameter((cfg.seq_len, cfg.hidden_size), "normal", cfg.init_std)
             self.drop = Dropout(cfg.dropout, rng_tracker, sharded=sp)
         ac = activation_checkpointing or ActivationCheckpointingConfig()
+        if ac.mode not in ("none", "full", "selective"):
+            raise ValueError(f"--activation-checkpointing must be none, full or selective, got {ac.mode!r}")
         self.checkpointing = ac.mode
         self.checkpoint_stats = CheckpointStats()
         # partition_activations splits inputs replicated over TP; under SP the block input is a sequence shard
