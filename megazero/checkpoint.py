@@ -39,8 +39,8 @@ bit); after a reshard from saved rank 0 (TP tracker: the first saved rank of the
 
 **Failure handling.** A step that can fail on some ranks only ends in a collective verdict (:func:`_agree`):
 *every* rank raises :class:`CheckpointError` with the lowest failing rank's message (naming the file or
-setting at fault). Testing hook: ``MEGAZERO_FAULT=point:rank:step`` (``after_shards``, ``after_manifest``,
-the trainer's ``step``) SIGKILLs that rank there, on a torchrun job's first attempt only.
+setting at fault). Testing hook: ``MEGAZERO_FAULT=point:rank:step[:stop]`` (``after_shards``,
+``after_manifest``, the trainer's ``step``) SIGKILLs (SIGSTOPs) that rank there, on a first attempt only.
 """
 
 from __future__ import annotations
@@ -181,13 +181,14 @@ def _agree(ctx: ParallelContext, error: BaseException | None) -> None:
 
 
 def maybe_inject_fault(point: str, rank: int, step: int) -> None:
-    """Testing hook: SIGKILL this process if ``MEGAZERO_FAULT`` is ``point:rank:step`` (first attempt only)."""
+    """Testing hook: SIGKILL (or with a ``:stop`` suffix SIGSTOP, a hung rank) this process if
+    ``MEGAZERO_FAULT`` is ``point:rank:step`` (on a torchrun job's first attempt only)."""
     spec = os.environ.get(FAULT_ENV)
     if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
-    want_point, want_rank, want_step = spec.split(":")
+    want_point, want_rank, want_step, *action = spec.split(":")
     if point == want_point and rank == int(want_rank) and step == int(want_step):
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGSTOP if action == ["stop"] else signal.SIGKILL)
 
 
 # ---- save -------------------------------------------------------------------------------------------------

@@ -201,30 +201,50 @@ def test_kill_between_shards_and_manifest_keeps_the_previous_checkpoint(data_cac
 
 
 # -- failure handling -----------------------------------------------------------------------------------------
-def test_a_killed_rank_makes_the_job_exit_within_the_timeout(subprocess_env, tmp_path):
-    """Two ranks launched by hand (no torchrun agent to clean up, as under srun): rank 1 is SIGKILLed after
-    step 2; rank 0 must fail its next collective and exit with an error within --dist-timeout."""
+HUNG_PEER_GAP = ("ParallelContext.from_grid creates the tp/dp/pp/mp/embedding groups with dist.new_group(ranks) "
+                 "and no timeout, so they get gloo's 30-minute default instead of --dist-timeout (only the world "
+                 "group has it); a hung peer then stalls a DP collective for 30 minutes. Fix: pass the timeout "
+                 "to new_group (from_grid(grid, timeout) from pretrain/gpt.py and tests/dist.py).")
+
+
+@pytest.mark.parametrize("fault", ["kill", pytest.param("stop", marks=pytest.mark.xfail(reason=HUNG_PEER_GAP,
+                                                                                       strict=True))])
+def test_a_killed_or_hung_rank_makes_the_job_exit_within_the_timeout(fault, subprocess_env, tmp_path):
+    """Two ranks launched by hand (no torchrun agent to clean up, as under srun): rank 1 is SIGKILLed (or
+    SIGSTOPped: hung, its sockets open) after step 2; rank 0 must fail and exit within --dist-timeout."""
     from megazero.distributed import free_port
 
     timeout = 5
     env = {**subprocess_env, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           FAULT_ENV: "step:1:2"}
+           FAULT_ENV: "step:1:2" + (":stop" if fault == "stop" else "")}
     args = [str(ROOT / "pretrain" / "gpt.py"), *SMALL_FLAGS, "--dp", "2", "--micro-batch-size", "4",
             "--dist-timeout", str(timeout), "--log-dir", str(tmp_path)]
     procs = [subprocess.Popen([sys.executable, *args], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     try:
-        assert procs[1].wait(timeout=120) == -9
+        if fault == "kill":
+            assert procs[1].wait(timeout=120) == -9
+        else:
+            deadline = time.monotonic() + 120
+            while Path(f"/proc/{procs[1].pid}/stat").read_text().split()[2] != "T":  # state: stopped
+                assert time.monotonic() < deadline and procs[1].poll() is None
+                time.sleep(0.05)
         died = time.monotonic()
-        code = procs[0].wait(timeout=timeout + 60)
+        try:
+            code = procs[0].wait(timeout=timeout + 10)
+        except subprocess.TimeoutExpired:
+            code = None
         waited = time.monotonic() - died
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+                p.wait()
     out = procs[0].stdout.read()
     assert code == 1 and "training failed" in out, out[-3000:]
-    assert waited < timeout + 10, f"rank 0 needed {waited:.1f}s after its peer died"
+    assert waited < timeout + 10, f"rank 0 needed {waited:.1f}s after its peer {'died' if fault == 'kill' else 'hung'}"
+    if fault == "stop":
+        assert waited > timeout - 1 and "timed out" in out.lower(), out[-3000:]  # the collective timeout ended it
 
 
 def test_torchrun_restart_resumes_from_latest(subprocess_env, tmp_path):
