@@ -449,7 +449,7 @@ def load_checkpoint(engine: Engine, sampler: DistributedBatchSampler | None, pat
     """
     ctx, opt, start = engine.ctx, engine.optimizer, time.perf_counter()
     error: BaseException | None = None
-    reader = manifest = values = rng = None
+    manifest = values = rng = None
     try:
         step_dir = find_checkpoint(path)
         if step_dir is None and not missing_ok:
@@ -478,10 +478,8 @@ def load_checkpoint(engine: Engine, sampler: DistributedBatchSampler | None, pat
             values.append({k: reader.values_for(name, p.shard_spec, ctx.tp_rank, ctx.tp_size, offset, n, k)
                            for k in KINDS})
         default_src, tp_src = _rng_source(manifest, ctx)
-        rng = {"rng.torch": reader.rng_state(default_src)["rng.torch"]}
-        if tp_src >= 0:
-            saved = reader.rng_state(tp_src)
-            rng.update({k: v for k, v in saved.items() if k != "rng.torch"})
+        rng = {**(reader.rng_state(tp_src) if tp_src >= 0 else {}),
+               "rng.torch": reader.rng_state(default_src)["rng.torch"]}
     except Exception as e:  # noqa: BLE001
         error = e
     _agree(ctx, error)
