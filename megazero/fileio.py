@@ -26,6 +26,7 @@ _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", t
 
 
 def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (a rename inside it) to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -48,6 +49,7 @@ def atomic_write(path: Path, write: Callable[[Any], None]) -> None:
 
 
 def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 4 MiB blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -104,13 +106,14 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, Any], in
 
 
 class SafetensorsFile:
-    """Ranged reads of the 1-D tensors of one rank file (plain reads: no mmap, memory stays bounded)."""
+    """Ranged reads of the 1-D tensors of a safetensors file (plain reads: no mmap, memory stays bounded)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.header, self.data_start = read_safetensors_header(path)
 
     def dtype(self, key: str) -> torch.dtype:
+        """The torch dtype of tensor ``key``."""
         return {v: k for k, v in _DTYPES.items()}[self.header[key]["dtype"]]
 
     def read_into(self, key: str, start: int, out: torch.Tensor) -> None:
