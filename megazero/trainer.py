@@ -1,4 +1,7 @@
-"""The pretraining loop: data -> engine steps -> evaluation -> metrics, for one rank of a running world.
+"""The pretraining loop: data -> engine steps -> evaluation -> metrics -> checkpoints, for one rank of a world.
+
+``--load`` restores a checkpoint (any topology) before the first step and the loop continues after its step;
+``--save`` writes one every ``--save-interval`` steps and at the end (:mod:`megazero.checkpoint`).
 
 ``pretrain/gpt.py`` parses flags, starts the process group and calls :func:`run_training`; tests call it
 directly inside a world of the test harness.
