@@ -6,7 +6,7 @@
 Every TP, PP and DP/ZeRO shard is merged (vocab padding removed) from the fp32 master weights. Runs on one
 CPU process, no torchrun. Tensors are streamed: each parameter is assembled from just the pieces that hold
 it and written out before the next is read (the safetensors header is computed from the manifest's shapes
-first), so peak memory stays near one parameter, well under one full copy of the model.
+first), so peak memory is the largest parameter plus one TP shard of it, not a copy of the model.
 
 ``--format safetensors`` (default) writes ``OUT/model.safetensors`` with the single-process GPT's names
 (``wte.weight`` unpadded: ``[vocab_size, hidden]``), ``OUT/config.json`` (megazero's model config) and
