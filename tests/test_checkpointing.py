@@ -57,7 +57,16 @@ def _train_twice(mode: str, cpu: bool) -> tuple[list[float], torch.Tensor, torch
     return losses, grads, torch.get_rng_state(), tracker.state
 
 
-def test_recomputation_reproduces_dropout_masks_and_rng_streams(monkeypatch):
+@pytest.fixture
+def one_thread():
+    """One intra-op thread, as in the gloo ranks (the 2 shared cores make more threads spin, not speed up)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_recomputation_reproduces_dropout_masks_and_rng_streams(monkeypatch, one_thread):
     """With dropout 0.1, recomputing (selective, full, full from host memory) gives bitwise the losses and
     gradients of the run that keeps its activations, and leaves both RNG streams where that run leaves them."""
     ref_losses, ref_grads, ref_rng, ref_tracker = _train_twice("none", False)
