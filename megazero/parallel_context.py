@@ -15,6 +15,7 @@ coordinates, the two holders of the tied word embedding).
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -130,8 +131,12 @@ class ParallelContext:
         self.world_group = groups["world"]
 
     @classmethod
-    def from_grid(cls, grid: RankGrid) -> ParallelContext:
-        """Create every group of the grid (a collective call) and keep this rank's."""
+    def from_grid(cls, grid: RankGrid, timeout_s: float | None = None) -> ParallelContext:
+        """Create every group of the grid (a collective call) and keep this rank's.
+
+        ``timeout_s`` bounds every collective of every group (``--dist-timeout``); without it the subgroups
+        would fall back to the backend's default (30 minutes for gloo), whatever the world group was given.
+        """
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised; call megazero.distributed.init_distributed()")
         if dist.get_world_size() != grid.world_size:
@@ -140,6 +145,7 @@ class ParallelContext:
                 "set --tp/--pp/--dp so that their product equals the number of processes"
             )
         rank = dist.get_rank()
+        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
         ledger = CommLedger()
         groups: dict[str, Group] = {}
         for kind in GROUP_KINDS:
@@ -150,7 +156,7 @@ class ParallelContext:
                     continue
                 seen.add(key)
                 # new_group is collective over the whole world: every rank creates every group.
-                pg = dist.new_group(ranks) if len(ranks) > 1 else None
+                pg = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                 if rank in ranks:
                     groups[kind] = Group(kind, ranks, pg, ledger)
         groups["world"] = Group("world", list(range(grid.world_size)), dist.group.WORLD, ledger)

@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     init_distributed(backend, cfg.parallel.dist_timeout_s)  # returns at once if the line above started it
     try:
         ctx = ParallelContext.from_grid(
-            RankGrid(env.world_size, cfg.parallel.tp_size, cfg.parallel.pp_size, cfg.parallel.dp_size))
+            RankGrid(env.world_size, cfg.parallel.tp_size, cfg.parallel.pp_size, cfg.parallel.dp_size),
+            timeout_s=cfg.parallel.dist_timeout_s)
         device = torch.device("cuda", env.local_rank) if backend == "nccl" else torch.device("cpu")
         if device.type == "cpu" and env.world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, env.world_size)))

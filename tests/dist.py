@@ -42,7 +42,7 @@ def _rank_main(rank: int, world_size: int, port: int, grid_kwargs: dict, dist_ti
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=dist_timeout),
         )
-        ctx = ParallelContext.from_grid(RankGrid.from_world(world_size, **grid_kwargs))
+        ctx = ParallelContext.from_grid(RankGrid.from_world(world_size, **grid_kwargs), timeout_s=dist_timeout)
         out = fn(ctx, *args, **kwargs)
         # pickle by value: multiprocessing would share tensors through file descriptors of a dying process
         results.put((rank, "ok", pickle.dumps(out)))
