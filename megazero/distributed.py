@@ -260,16 +260,23 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> Di
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank)
     if env.launcher == "single":
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        store: dist.Store = dist.HashStore()
+    elif env.launcher == "slurm":
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=env.rank == 0,
+                              timeout=timeout, wait_for_workers=False)
+    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent store outlives a restart and workers use it without a per-attempt prefix, so a
+        # restarted worker can read a dead worker's address from the previous attempt (pytorch#135712):
+        # give every attempt (--max-restarts) its own keys.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"megazero/attempt_{attempt}", dist.TCPStore(
+            env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout))
     else:
-        store = dist.TCPStore(
-            env.master_addr, env.master_port, env.world_size, is_master=env.rank == 0, timeout=timeout,
-            wait_for_workers=False,
-        ) if env.launcher == "slurm" else None
-        if store is not None:
-            dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
-        else:
-            dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timeout)
+        store = None
+    if store is None:
+        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
     return env
 
 

@@ -18,31 +18,14 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import datetime
 
 import torch
-import torch.distributed as dist
 
 from megazero.config import ConfigError, parse_args
 from megazero.distributed import default_backend, destroy_distributed, detect_env, init_distributed
 from megazero.log import setup_logging
 from megazero.parallel_context import ParallelContext, RankGrid, TopologyError
 from megazero.trainer import run_training
-
-
-def _init_torchrun_attempt(backend: str, timeout_s: float) -> None:
-    """Under torchrun's static rendezvous the agent's store outlives a restart and workers use it without a
-    per-attempt prefix, so a restarted worker can read a dead worker's address from the previous attempt and
-    fail to connect (cf. pytorch/pytorch#135712); give every attempt its own keys (``--max-restarts``)."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return
-    env, timeout = detect_env(), datetime.timedelta(seconds=timeout_s)
-    if backend == "nccl":
-        torch.cuda.set_device(env.local_rank)
-    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(backend, store=dist.PrefixStore(f"megazero/attempt_{attempt}", store), rank=env.rank,
-                            world_size=env.world_size, timeout=timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,8 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     log = setup_logging(env.rank, env.world_size)
     backend = cfg.parallel.backend or default_backend()
-    _init_torchrun_attempt(backend, cfg.parallel.dist_timeout_s)
-    init_distributed(backend, cfg.parallel.dist_timeout_s)  # returns at once if the line above started it
+    init_distributed(backend, cfg.parallel.dist_timeout_s)
     try:
         ctx = ParallelContext.from_grid(
             RankGrid(env.world_size, cfg.parallel.tp_size, cfg.parallel.pp_size, cfg.parallel.dp_size),
