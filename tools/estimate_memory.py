@@ -31,6 +31,7 @@ from megazero.estimate import (
     model_state_bytes,
     padded_vocab_size,
     rank_parameter_numels,
+    recompute_bytes,
     stage_layers,
 )
 
@@ -65,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bf16/fp16: mixed precision with fp32 master (default); fp32: no master copy")
     g.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch (default 1)")
     g.add_argument("--activation-checkpointing", choices=("none", "selective", "full"), default="none")
+    g.add_argument("--partition-activations", action="store_true",
+                   help="full checkpointing keeps each layer input split over the TP ranks")
+    g.add_argument("--cpu-checkpointing", action="store_true", help="checkpointed inputs kept in host memory")
     g.add_argument("--pp-schedule", choices=("1f1b", "gpipe"), default="1f1b",
                    help="decides how many micro-batches a stage holds (default 1f1b)")
     g.add_argument("--micro-batches", type=int, metavar="M", help="micro-batches per step (default: pp)")
@@ -110,16 +114,20 @@ def estimate(args: argparse.Namespace) -> str:
     per_stage = []
     for r in range(args.pp):
         if model is None:
-            per_stage.append(([args.params / (args.tp * args.pp)], None, 1, None))
+            per_stage.append(([args.params / (args.tp * args.pp)], None, 1, None, 0.0))
             continue
         layers = stage_layers(model.num_layers, args.pp)[r]
         numels = list(rank_parameter_numels(model, args.tp, args.pp, r).values())
-        act = activation_bytes(model, args.micro_batch_size, tp_size=args.tp, sequence_parallel=args.sequence_parallel,
-                               precision=args.precision, checkpointing=args.activation_checkpointing,
-                               layers=len(layers), first_stage=r == 0, last_stage=r == args.pp - 1,
-                               fused_attention=not args.unfused_attention)
+        common = dict(tp_size=args.tp, sequence_parallel=args.sequence_parallel, precision=args.precision,
+                      checkpointing=args.activation_checkpointing)
+        act = activation_bytes(model, args.micro_batch_size, **common, layers=len(layers), first_stage=r == 0,
+                               last_stage=r == args.pp - 1, fused_attention=not args.unfused_attention,
+                               partition_activations=args.partition_activations,
+                               cpu_checkpointing=args.cpu_checkpointing)
+        # the stashed micro-batches, plus (with recomputation) the one layer being recomputed, once per rank
+        extra = recompute_bytes(model, args.micro_batch_size, **common, fused_attention=not args.unfused_attention)
         k = in_flight_micro_batches(args.pp, r, args.pp_schedule, m_count)
-        per_stage.append((numels, act, k, layers))
+        per_stage.append((numels, act, k, layers, extra))
 
     header = ["ZeRO", "pp stage", "layers", "Ψ_r", "params", "grads", "master", "optim states", "model states",
               "activations", "total"]
@@ -128,10 +136,10 @@ def estimate(args: argparse.Namespace) -> str:
     rows = []
     for stage in range(4):
         groups: list[tuple[list[int], list[str]]] = []
-        for r, (numels, act, k, _layers) in enumerate(per_stage):
+        for r, (numels, act, k, _layers, extra) in enumerate(per_stage):
             ms = model_state_bytes(numels, stage, args.dp, args.precision, args.persistence_threshold,
                                    args.offload_optimizer, args.offload_param and stage == 3)
-            acts = None if act is None else act * k
+            acts = None if act is None else act * k + extra
             cells = [_count(sum(numels)), _size(ms.params, unit), _size(ms.grads, unit),
                      _size(ms.master_params, unit), _size(ms.optimizer_states, unit), _size(ms.device, unit),
                      _size(acts, unit) + (f" ({k} mb)" if k > 1 else "")]
