@@ -30,7 +30,10 @@ While released, a parameter's ``.data`` is a shared one-element NaN placeholder 
   exchanging mismatched buffers (gloo aborts on those). The collective timeout remains the last resort.
 
 DP volume per optimizer step with m micro-batches: 3mΨ_g for gathered parameters (forward gather, backward
-gather, gradient reduce-scatter in every micro-batch) plus (m + 1)Ψ_p for persistent ones.
+gather, gradient reduce-scatter in every micro-batch) plus (m + 1)Ψ_p for persistent ones. With full
+activation checkpointing each block is gathered once more, for its recomputation in backward (4mΨ_g for the
+blocks), as in DeepSpeed without ``stage3_max_reuse_distance``; keeping a recomputed unit gathered until its
+backward would bring it back to 3mΨ_g.
 """
 
 from __future__ import annotations
