@@ -20,7 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megazero.config import LossScaleConfig, OptimizerConfig, ZeroConfig, model_preset, parse_args  # noqa: E402
+from megazero.cli import parse_args  # noqa: E402
+from megazero.config import LossScaleConfig, OptimizerConfig, ZeroConfig, model_preset  # noqa: E402
 from megazero.distributed import Group  # noqa: E402
 from megazero.engine import Engine  # noqa: E402
 from megazero.estimate import model_state_bytes  # noqa: E402

@@ -15,7 +15,7 @@ Nested keys are classified by their full dotted path (``zero_optimization.offloa
 A key that is absent from a block the file does contain takes DeepSpeed's default for that block (Adam's
 betas are (0.9, 0.999) and its weight decay 0 in DeepSpeed), reported separately as ``implied`` so that an
 explicit flag still wins over it. The result is a flat mapping from setting paths (``"zero.stage"``) to
-values; :func:`megazero.config.parse_args` merges it with the flags.
+values; :func:`megazero.cli.parse_args` merges it with the flags.
 """
 
 from __future__ import annotations

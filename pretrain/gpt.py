@@ -21,7 +21,8 @@ except ImportError:  # running from a checkout without `pip install -e .`
 
 import torch
 
-from megazero.config import ConfigError, parse_args
+from megazero.cli import parse_args
+from megazero.config import ConfigError
 from megazero.distributed import default_backend, destroy_distributed, detect_env, init_distributed
 from megazero.log import setup_logging
 from megazero.parallel_context import ParallelContext, RankGrid, TopologyError

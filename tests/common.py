@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megazero.config import parse_args
+from megazero.cli import parse_args
 from megazero.trainer import run_training
 
 # A 2-layer GPT on the built-in corpus: 10 steps of global batch 8 take about a second per rank.

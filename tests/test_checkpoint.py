@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megazero.checkpoint import FAULT_ENV, CheckpointReader, find_checkpoint, list_checkpoints
-from megazero.config import parse_args
+from megazero.cli import parse_args
 from megazero.trainer import run_training
 from tests.common import SMALL_FLAGS, assert_matches_reference, merge_runs, train_runs
 from tests.dist import WorldError, run_world

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megazero.config import ActivationCheckpointingConfig, ConfigError, ModelConfig, parse_args
+from megazero.cli import parse_args
+from megazero.config import ActivationCheckpointingConfig, ConfigError, ModelConfig
 from megazero.estimate import activation_bytes, checkpoint_host_bytes, recompute_bytes
 from megazero.metrics import ActivationMemoryCounter
 from megazero.model import GPT, init_parameters

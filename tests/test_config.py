@@ -10,16 +10,8 @@ from typing import Any
 
 import pytest
 
-from megazero.config import (
-    PRESETS,
-    Config,
-    ConfigError,
-    ConfigWarning,
-    SchedulerConfig,
-    build_parser,
-    parse_args,
-    resolve_config,
-)
+from megazero.cli import build_parser, parse_args
+from megazero.config import PRESETS, Config, ConfigError, ConfigWarning, SchedulerConfig, resolve_config
 from megazero.ds_config import IGNORED_KEYS, NOT_SUPPORTED_KEYS, SUPPORTED_KEYS, load_deepspeed_config
 from megazero.lr_schedule import lr_at
 

@@ -17,7 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from megazero.config import ModelConfig, model_preset, parse_args
+from megazero.cli import parse_args
+from megazero.config import ModelConfig, model_preset
 from megazero.estimate import (
     activation_bytes,
     in_flight_micro_batches,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from megazero.config import parse_args
+from megazero.cli import parse_args
 from megazero.engine import Engine
 from megazero.estimate import model_state_bytes
 from tests.common import assert_matches_reference, train_runs

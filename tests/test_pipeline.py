@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megazero.config import ConfigError, parse_args
+from megazero.cli import parse_args
+from megazero.config import ConfigError
 from megazero.engine import Engine
 from megazero.pipeline.partition import PipelineLayoutError, partition_layers, stage_specs
 from megazero.pipeline.schedules import ScheduleError, build_schedule, simulate
