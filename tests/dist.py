@@ -15,6 +15,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -75,8 +76,6 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, tp: int = 1, 
         p.start()
     out: dict[int, Any] = {}
     errors: dict[int, str] = {}
-    import time
-
     deadline = time.monotonic() + timeout
     try:
         while len(out) + len(errors) < world_size:

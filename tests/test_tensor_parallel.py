@@ -19,7 +19,10 @@ from megazero.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from megazero.tensor_parallel.layers import unshard_tensor
-from megazero.tensor_parallel.mappings import scatter_to_sequence_parallel_region
+from megazero.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from tests.common import assert_matches_reference, train_runs
 from tests.dist import run_world
 
@@ -119,6 +122,14 @@ def _layer_checks(ctx):
     torch.testing.assert_close(grad, emb_w.grad, rtol=1e-5, atol=1e-5)
     padded_rows = emb.weight.grad[max(0, V - emb.vocab_start):]
     assert torch.count_nonzero(padded_rows) == 0  # padding gets no gradient
+
+    # sequence gather into a TP layer: forward all-gathers the shards, backward sums partial gradients
+    shard = x_full.chunk(tp.size, dim=1)[tp.rank].clone().requires_grad_()
+    full = gather_from_sequence_parallel_region(shard, tp)
+    torch.testing.assert_close(full, x_full, **TOL)
+    (full * g_out[..., :H] * (tp.rank + 1)).sum().backward()  # each rank's gradient differs (partial sums)
+    want = (g_out[..., :H] * sum(r + 1 for r in range(tp.size))).chunk(tp.size, dim=1)[tp.rank]
+    torch.testing.assert_close(shard.grad, want, **TOL)
     return checks + 1
 
 

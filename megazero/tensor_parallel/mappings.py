@@ -62,10 +62,14 @@ def _gather_last(x: torch.Tensor, group: Group) -> torch.Tensor:
     return torch.cat(out.unbind(0), dim=-1)
 
 
-def _split_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
+def _check_seq_divisible(x: torch.Tensor, group: Group) -> None:
     if x.shape[SEQ_DIM] % group.size:
         raise ValueError(f"sequence length {x.shape[SEQ_DIM]} is not divisible by the tensor-parallel size "
                          f"{group.size}; sequence parallelism needs --seq-len divisible by --tp")
+
+
+def _split_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
+    _check_seq_divisible(x, group)
     return x.chunk(group.size, dim=SEQ_DIM)[group.rank].contiguous()
 
 
@@ -79,9 +83,7 @@ def gather_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 def reduce_scatter_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Sum [B, S, ...] over the group and keep this rank's sequence shard [B, S/tp, ...] (no autograd)."""
-    if x.shape[SEQ_DIM] % group.size:
-        raise ValueError(f"sequence length {x.shape[SEQ_DIM]} is not divisible by the tensor-parallel size "
-                         f"{group.size}; sequence parallelism needs --seq-len divisible by --tp")
+    _check_seq_divisible(x, group)
     x = x.movedim(SEQ_DIM, 0).contiguous()
     out = torch.empty((x.shape[0] // group.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
     group.reduce_scatter(out, x, tag="act")
