@@ -103,18 +103,22 @@ class Engine:
         t = self.cfg.training
         return lr_at(self.step if step is None else step, self.cfg.scheduler, self.cfg.optimizer.lr, t.train_steps)
 
-    def _global_tokens(self, micro_batches: list[MicroBatch]) -> float:
-        local = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro_batches)
-        n = torch.tensor([float(local)], dtype=torch.float64)
-        self.ctx.dp_group.all_reduce(n, tag="loss")
-        return n.item()
+    def _global_tokens(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
+        """Tokens in the loss over the whole global batch, as a 0-dim fp64 tensor on the DP group's device.
 
-    def _global_loss(self, loss_sum: torch.Tensor, tokens: float) -> float:
-        """Sum over DP ranks of the last stage, then broadcast along the pipeline from the last stage."""
+        Counted where the targets live (no host read), summed over DP ranks on the device."""
+        local = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches)
+        n = torch.as_tensor(local, dtype=torch.float64).reshape(1).to(self.device, non_blocking=True)
+        self.ctx.dp_group.all_reduce(n, tag="loss")
+        return n[0]
+
+    def _global_loss(self, loss_sum: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The token-weighted mean loss as a 0-dim device tensor: the last stage's loss sums added over DP
+        ranks, then broadcast along the pipeline from the last stage (no host read)."""
         total = loss_sum.reshape(1).clone()
         self.ctx.dp_group.all_reduce(total, tag="loss")
         self.ctx.pp_group.broadcast(total, src=self.ctx.pp_size - 1, tag="loss")
-        return (total / tokens).item()
+        return total[0] / tokens
 
     @torch.no_grad()
     def check_tied_embeddings(self, rtol: float = 1e-6) -> float:
@@ -149,14 +153,17 @@ class Engine:
                                  self.virtual_stages)
         stats = self.executor.run(actions, micro_batches, tokens, opt.backward)
         self.activation_peak_bytes = max(self.activation_peak_bytes, stats.peak_activation_bytes)
-        loss = self._global_loss(stats.loss_sum, tokens)
+        loss_t = self._global_loss(stats.loss_sum, tokens)
+        sq_norm_t = opt.prepare_step()
+        # the step's one read from the device: loss, squared gradient norm and token count together
+        loss, sq_norm, n_tokens = torch.stack([loss_t, sq_norm_t.to(loss_t.dtype), tokens]).tolist()
         lr = self.lr()
-        step_stats = opt.step(lr)
+        step_stats = opt.finish_step(lr, sq_norm)
         self.ctx.ledger.mark_step()
         self.step += 1
         return StepResult(
             step=self.step, loss=loss, lr=lr, grad_norm=step_stats.grad_norm, loss_scale=step_stats.loss_scale,
-            skipped=step_stats.skipped, tokens=int(tokens), micro_batches=len(micro_batches),
+            skipped=step_stats.skipped, tokens=int(n_tokens), micro_batches=len(micro_batches),
             peak_in_flight=stats.peak_in_flight,
         )
 
@@ -170,7 +177,7 @@ class Engine:
                                  self.virtual_stages)
         with self.optimizer.gathered_parameters():
             stats = self.executor.run(actions, micro_batches, tokens, backward=None)
-        return self._global_loss(stats.loss_sum, tokens)
+        return self._global_loss(stats.loss_sum, tokens).item()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters, unsharded over TP, in fp32 (a collective over the TP and, at stage 3, DP

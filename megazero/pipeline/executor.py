@@ -28,7 +28,7 @@ BackwardFn = Callable[[torch.Tensor, torch.Tensor | None], None]
 
 @dataclass
 class RunStats:
-    loss_sum: torch.Tensor  # sum of per-token losses this rank computed (last stage; 0 elsewhere), fp64
+    loss_sum: torch.Tensor  # sum of per-token losses this rank computed (last stage; 0 elsewhere), fp64, on device
     peak_in_flight: float  # most micro-batches stashed at once (chunks count 1/V each)
     peak_activation_bytes: int  # most saved-activation bytes stashed at once
 
@@ -52,12 +52,14 @@ class PipelineExecutor:
     def _prev_chunk(self, chunk: int) -> int:
         return chunk - (1 if self.pp_rank == 0 else 0)
 
-    def run(self, actions: list[Action], micro_batches: list[MicroBatch], loss_divisor: float,
+    def run(self, actions: list[Action], micro_batches: list[MicroBatch], loss_divisor: torch.Tensor | float,
             backward: BackwardFn | None) -> RunStats:
         """Run ``actions``; ``backward`` None runs the forwards only (evaluation, no graph kept)."""
         v = len(self.chunks)
+        if isinstance(loss_divisor, torch.Tensor):  # the per-token loss is fp32: divide in fp32, on the device
+            loss_divisor = loss_divisor.to(self.device, torch.float32)
         stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor, int]] = {}
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         live = peak = 0.0
         live_bytes = peak_bytes = 0
         for a in actions:
@@ -78,7 +80,7 @@ class PipelineExecutor:
                 with torch.set_grad_enabled(backward is not None), counter.track():
                     out = chunk(arg, target)
                 if spec.post_process:
-                    loss_sum += out.detach().double().sum().cpu()
+                    loss_sum += out.detach().double().sum()
                     out = out.sum() / loss_divisor
                 else:
                     self.p2p.send_forward(out, a.micro_batch, self._next_chunk(a.chunk))

@@ -167,6 +167,8 @@ class ZeroOptimizer:
         for p in model.parameters():  # frozen parameters just follow the compute dtype
             if not p.requires_grad and p.is_floating_point():
                 p.data = p.data.to(self.dtype)
+        self._comm_device = self.store.segments[0].grad.device  # where gradients and norm collectives live
+        self._grads: torch.Tensor | None = None  # this step's fp32 owned gradients, prepare_step -> finish_step
         self._init_partition()
         self.scaler = make_loss_scaler(precision, loss_scale_cfg)
         self.step_count = 0
@@ -235,23 +237,46 @@ class ZeroOptimizer:
             torch.cuda.current_stream().synchronize()  # device-to-host copies done before Adam reads them
         return g
 
-    def _global_sq_norm(self, g: torch.Tensor) -> float:
-        local = sum(float(torch.linalg.vector_norm(g[a:b])) ** 2 for a, b in self._norm_runs)
-        sq = torch.tensor([local], dtype=torch.float64, device=g.device)
+    def _global_sq_norm(self, g: torch.Tensor) -> torch.Tensor:
+        """The squared global gradient norm as a 0-dim fp64 tensor on the gradients' device (no host read).
+
+        Squares are summed on the device over this rank's counted runs, then over DP (partitioned gradients)
+        and the model-parallel group. Under optimizer offload ``g`` lives in host memory: the local sum is
+        moved to the device so the collectives get a tensor on their group's device.
+        """
+        norms = [torch.linalg.vector_norm(g[a:b]) for a, b in self._norm_runs]
+        local = (torch.stack(norms).double().square().sum() if norms
+                 else torch.zeros((), dtype=torch.float64, device=g.device))
+        sq = local.reshape(1).to(self._comm_device, non_blocking=True)
         if self.sharded.optimizer_states:  # partitioned gradients: sum the partitions over DP
             self.dp_group.all_reduce(sq, tag="norm")
         if self.norm_group is not None:
             self.norm_group.all_reduce(sq, tag="norm")
-        return sq.item()
+        return sq[0]
 
-    def step(self, lr: float) -> StepStats:
-        """Reduce gradients, check for fp16 overflow, clip by the global norm, update with learning rate ``lr``."""
+    def prepare_step(self) -> torch.Tensor:
+        """First half of :meth:`step`: reduce the gradients (and sum the tied embedding's two copies) and
+        return the global squared gradient norm (still loss-scaled under fp16) as a 0-dim fp64 device tensor.
+
+        Nothing is read back to the host: the caller fetches this value together with anything else it needs
+        (the loss) in one read, then calls :meth:`finish_step`.
+        """
         self.store.reduce_gradients()
         if self.tied_group is not None:
             for seg in self._tied_segments:
                 self.tied_group.all_reduce(seg.grad, tag="tied")
-        g = self._owned_grads_fp32()
-        sq = self._global_sq_norm(g)
+        self._grads = self._owned_grads_fp32()
+        return self._global_sq_norm(self._grads)
+
+    def finish_step(self, lr: float, sq_norm: float) -> StepStats:
+        """Second half of :meth:`step`, given the host value of :meth:`prepare_step`'s squared norm: skip on an
+        fp16 overflow (every rank sees the same sum, so all skip) and update the loss scale, else clip by the
+        global norm and update with learning rate ``lr``."""
+        g = getattr(self, "_grads", None)
+        if g is None:
+            raise RuntimeError("ZeroOptimizer.finish_step called without prepare_step for this step")
+        self._grads = None
+        sq = float(sq_norm)
         scale = self.scaler.scale if self.scaler is not None else 1.0
         if self.scaler is not None and not math.isfinite(sq):
             self.scaler.update(overflow=True)  # every rank saw the same non-finite sum: all skip
@@ -274,6 +299,11 @@ class ZeroOptimizer:
         if self.scaler is not None:
             self.scaler.update(overflow=False)
         return StepStats(grad_norm=norm, skipped=False, loss_scale=self.loss_scale)
+
+    def step(self, lr: float) -> StepStats:
+        """Reduce gradients, check for fp16 overflow, clip by the global norm, update with learning rate ``lr``
+        (:meth:`prepare_step` then :meth:`finish_step`, reading the norm back in between)."""
+        return self.finish_step(lr, self.prepare_step().item())
 
     @torch.no_grad()
     def _adam_offloaded(self, g: torch.Tensor, lr: float, chunk: int = 1 << 23) -> None:
