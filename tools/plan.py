@@ -1,0 +1,132 @@
+"""Pick the fastest layout of a GPT run that fits: enumerate, prune by memory, rank by a roofline step time.
+
+    python tools/plan.py --model gpt2-1.3b --gpus 128 --gpu h100 --gpus-per-node 8 --global-batch-size 1024
+    python tools/plan.py --num-layers 96 --hidden-size 12288 --num-heads 96 --seq-len 2048 --gpus 1024 \\
+        --global-batch-size 1536 --gpu a100 --efficiency 0.45 --top 5
+
+Enumerates tp (dividing the GPUs of a node), pp, dp, ZeRO stage 0-3, micro-batch size, recomputation
+(none/selective/full), optimizer offload, sequence parallelism and the interleaved schedule; estimates each
+layout's per-rank peak memory (:mod:`megazero.estimate`) and drops those above the usable device memory;
+estimates the step time of the rest (:mod:`megazero.roofline`: FLOPs at ``--efficiency`` x the dense peak,
+each collective's bytes over NVLink inside a node or the network across nodes, the pipeline bubble, the
+optimizer step); prints the fastest ``--top`` and the torchrun command of the first. Hardware figures come
+from the table in :mod:`megazero.roofline`, each overridable by a flag. Confirm a plan with
+``python pretrain/gpt.py --dry-run <its flags>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+try:
+    import megazero  # noqa: F401
+except ImportError:  # running from a checkout without `pip install -e .`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megazero.config import PRESETS, ConfigError, model_preset
+from megazero.planner import Plan, search, torchrun_command
+from megazero.roofline import GPUS, cluster
+
+__all__ = ["build_parser", "main", "report"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tools/plan.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("model")
+    g.add_argument("--model", choices=tuple(PRESETS), default="gpt2-1.3b", help="preset (default gpt2-1.3b)")
+    for flag, typ in (("--num-layers", int), ("--hidden-size", int), ("--num-heads", int), ("--seq-len", int),
+                      ("--vocab-size", int)):
+        g.add_argument(flag, type=typ, help="override the preset's value")
+    g = p.add_argument_group("run")
+    g.add_argument("--gpus", type=int, required=True, help="GPUs in the run")
+    g.add_argument("--global-batch-size", type=int, required=True, help="sequences per optimizer step")
+    g.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+    g.add_argument("--micro-batch-sizes", default="1,2,4,8,16", help="candidates, comma-separated")
+    g.add_argument("--zero-stages", default="0,1,2,3", help="candidates, comma-separated")
+    g = p.add_argument_group("hardware (defaults from the GPU table; each overridable)")
+    g.add_argument("--gpu", default="h100", choices=tuple(GPUS), help="GPU model (default h100 = SXM 80GB)")
+    g.add_argument("--gpus-per-node", type=int, help="GPUs per node (default 8)")
+    g.add_argument("--peak-tflops", type=float, help="dense peak TFLOP/s for the compute dtype")
+    g.add_argument("--memory-gb", type=float, help="device memory, GB (1e9 bytes)")
+    g.add_argument("--nvlink-gbps", type=float, help="intra-node bandwidth per GPU, one direction, GB/s")
+    g.add_argument("--network-gbps", type=float, help="inter-node bandwidth per GPU, one direction, GB/s")
+    g.add_argument("--efficiency", type=float, default=0.5, help="achieved fraction of peak FLOP/s (default 0.5)")
+    g.add_argument("--dp-overlap", type=float, default=0.0,
+                   help="fraction of DP traffic hidden behind backward (default 0: none)")
+    g.add_argument("--memory-fraction", type=float, default=0.9,
+                   help="usable share of device memory (default 0.9)")
+    p.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")
+    return p
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.1f}"
+
+
+def report(plans: list[Plan], tried: int, seconds: float, args: argparse.Namespace, model_flags: list[str],
+           c) -> str:
+    head = ["#", "tp", "pp", "dp", "sched", "zero", "mbs", "recompute", "offl", "sp", "peak GB", "states",
+            "acts", "other", "TP GB", "PP GB", "DP GB", "compute s", "bubble", "comm s", "step s", "MFU"]
+    rows = []
+    for i, pl in enumerate(plans[:args.top]):
+        lay, t = pl.layout, pl.time
+        sched = f"int v{lay.virtual_stages}" if lay.virtual_stages > 1 else ("1f1b" if lay.pp > 1 else "-")
+        rows.append([str(i + 1), str(lay.tp), str(lay.pp), str(lay.dp), sched, str(lay.zero_stage),
+                     str(lay.micro_batch_size), lay.checkpointing, "opt" if lay.offload else "-",
+                     "y" if lay.sequence_parallel else "-", _gb(pl.peak_bytes), _gb(pl.states_bytes),
+                     _gb(pl.activation_bytes), _gb(pl.other_bytes), _gb(pl.tp_bytes), _gb(pl.pp_bytes),
+                     _gb(pl.dp_bytes), f"{t.compute:.3f}", f"{t.bubble:.3f}",
+                     f"{t.tp_comm + t.pp_comm + t.dp_comm:.3f}", f"{t.total:.3f}", f"{pl.mfu:.0%}"])
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    lines = [f"megazero plan: {args.gpus} x {c.gpu.name}, {c.gpus_per_node} per node; {args.precision}; global "
+             f"batch {args.global_batch_size}; {tried} layouts tried, {len(plans)} fit in "
+             f"{_gb(c.usable_memory_bytes)} GB ({seconds:.1f} s)",
+             f"assumed: {c.efficiency:.0%} of {c.gpu.peak_flops.get(args.precision, 0) / 1e12:.0f} TFLOP/s, "
+             f"NVLink {_gb(c.gpu.intra_node_bytes_per_s)} GB/s, network {_gb(c.gpu.inter_node_bytes_per_s)} GB/s "
+             f"per GPU, {c.dp_overlap:.0%} of DP traffic overlapped", ""]
+    for r in [head, *rows]:
+        lines.append("  ".join(c_.rjust(w) for c_, w in zip(r, widths)))
+    if not plans:
+        lines.append("no layout fits: add GPUs, lower --global-batch-size, or try --gpu with more memory")
+        return "\n".join(lines)
+    lines += ["", "peak: the largest rank's estimate (states + activations + other); TP/PP/DP GB: bytes one rank "
+              "moves per step; step s = compute + bubble + comm + optimizer step.",
+              "", "fastest layout (check it first with: python pretrain/gpt.py --dry-run <the same flags>):",
+              "  " + torchrun_command(plans[0], model_flags, args.global_batch_size, args.precision,
+                                      c.gpus_per_node)]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    start = time.perf_counter()
+    shape = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "num_heads", "seq_len", "vocab_size")}
+    try:
+        model = model_preset(args.model, **shape)
+        c = cluster(args.gpu, args.gpus_per_node, peak_tflops=args.peak_tflops,
+                    memory_bytes=args.memory_gb * 1e9 if args.memory_gb else None,
+                    intra_node_bytes_per_s=args.nvlink_gbps * 1e9 if args.nvlink_gbps else None,
+                    inter_node_bytes_per_s=args.network_gbps * 1e9 if args.network_gbps else None,
+                    efficiency=args.efficiency, dp_overlap=args.dp_overlap, memory_fraction=args.memory_fraction)
+        mbs = tuple(int(x) for x in args.micro_batch_sizes.split(","))
+        stages = tuple(int(x) for x in args.zero_stages.split(","))
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.gpus < 1 or args.global_batch_size < 1:
+        print("error: --gpus and --global-batch-size must be positive", file=sys.stderr)
+        return 2
+    plans, tried = search(model, args.gpus, args.global_batch_size, c, args.precision,
+                          micro_batch_sizes=mbs, stages=stages)
+    model_flags = ["--model", args.model] + [f"--{k.replace('_', '-')} {v}" for k, v in shape.items()
+                                             if v is not None]
+    print(report(plans, tried, time.perf_counter() - start, args, model_flags, c))
+    return 0 if plans else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
