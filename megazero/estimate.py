@@ -253,8 +253,9 @@ def activation_bytes(model: ModelConfig, micro_batch: int, *, tp_size: int = 1, 
     compute dtype's ``e`` on CPU, whose kernels keep them as floats (and run attention with dropout unfused).
 
     The first stage adds the token ids (and the vocab-parallel lookup's masked ids and mask), the last the
-    final LayerNorm, the LM head's input (a sequence shard with SP), the fp32 softmax of the cross-entropy over this rank's
-    vocabulary slice and the targets.
+    final LayerNorm, the LM head's input (a sequence shard with SP), the logits of this rank's vocabulary slice
+    in the compute dtype (the chunked cross-entropy keeps them for backward, no fp32 copy), its fp32
+    log-sum-exp per token and the targets.
 
     Recomputation (:mod:`megazero.tensor_parallel.checkpointing`) changes what the forward saves:
 
@@ -291,8 +292,8 @@ def activation_bytes(model: ModelConfig, micro_batch: int, *, tp_size: int = 1, 
     if last_stage:
         v_local = padded_vocab_size(model.vocab_size, t) // t
         total += (2 * e * sbh + 2 * e * sb) / sp  # final LayerNorm input and stats, LM-head input
-        total += 4 * sb * v_local  # fp32 softmax / log-softmax over this rank's vocabulary slice
-        total += 8 * sb + (4 if t == 1 else 2 * sb)  # targets; loss bookkeeping (ignore/outside masks)
+        total += e * sb * v_local  # the logits of this rank's vocabulary slice, kept by the chunked loss
+        total += 4 * sb + 8 * sb  # the loss's fp32 log-sum-exp per token; the int64 targets
     return total
 
 

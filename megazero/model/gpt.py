@@ -252,7 +252,9 @@ class GPT(nn.Module):
         logits = self.wte.logits(self.ln_f(x))  # [B, S, V/tp]
         if targets is None:
             return logits
-        return vocab_parallel_cross_entropy(logits, targets, self.tp_group, self.wte.vocab_start)  # [B, S]
+        # the logits are ours alone: the loss may overwrite them with their gradient in backward
+        return vocab_parallel_cross_entropy(logits, targets, self.tp_group, self.wte.vocab_start,
+                                            inplace_backward=True)  # [B, S]
 
     @torch.no_grad()
     def full_logits(self, ids: torch.Tensor) -> torch.Tensor:
