@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "--no-progress", "logging.progress", "disable the progress bar", action="store_const", const=False)
     add(g, "--wandb-project", "logging.wandb_project", "Weights & Biases project; None disables W&B")
     add(g, "--wandb-mode", "logging.wandb_mode", "W&B mode", choices=WANDB_MODES)
+    add(g, "--sample-prompts", "logging.sample_prompts", "file of prompts, one a line: greedy samples at every "
+        "evaluation (console, metrics.jsonl, W&B table)", metavar="FILE")
+    add(g, "--sample-tokens", "logging.sample_tokens", "tokens generated per sample prompt", type=int)
 
     g = parser.add_argument_group("checkpointing")
     add(g, "--save", "training.save", "checkpoint directory", metavar="DIR")

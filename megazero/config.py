@@ -13,6 +13,7 @@ The DeepSpeed JSON mapping lives in :mod:`megazero.ds_config`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -200,6 +201,8 @@ class LoggingConfig:
     wandb_mode: str | None = None  # None: offline unless an account is configured
     steps_per_print: int | None = None  # DeepSpeed's steps_per_print as given (it also sets log_interval)
     progress: bool = True
+    sample_prompts: str | None = None  # a file of prompts, one a line: greedy samples at every evaluation
+    sample_tokens: int = 16  # tokens generated per sample prompt
 
 
 @dataclass
@@ -408,6 +411,9 @@ def resolve_config(cfg: Config, world_size: int) -> Config:
              "layer inputs are already sequence shards, 1/tp per rank (Megatron-LM refuses the pair too); drop "
              "partition_activations or --sequence-parallel")
     _choice("--wandb-mode", cfg.logging.wandb_mode, (None, *WANDB_MODES))
+    _require(cfg.logging.sample_prompts is None or os.path.isfile(cfg.logging.sample_prompts),
+             f"--sample-prompts {cfg.logging.sample_prompts}: no such file (give a text file, one prompt a line)")
+    _require(cfg.logging.sample_tokens >= 1, f"--sample-tokens must be >= 1, got {cfg.logging.sample_tokens}")
     _require(t.eval_interval >= 0, f"--eval-interval must be >= 0 (0 disables), got {t.eval_interval}")
     _require(t.save_interval >= 0, f"--save-interval must be >= 0, got {t.save_interval}")
     _require(t.save_interval == 0 or t.save is not None, "--save-interval needs --save DIR")

@@ -23,6 +23,7 @@ from megazero.checkpoint import load_checkpoint, maybe_inject_fault, save_checkp
 from megazero.config import Config
 from megazero.data import DistributedBatchSampler, build_datasets, collate, resolve_tokenizer
 from megazero.engine import Engine, StepResult
+from megazero.generate import generate_samples, read_prompts
 from megazero.log import get_logger
 from megazero.metrics import (
     MetricsWriter,
@@ -40,6 +41,7 @@ __all__ = ["TrainSummary", "run_training", "wandb_mode"]
 class TrainSummary:
     losses: list[float] = field(default_factory=list)
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    samples: list[tuple[int, list[dict[str, Any]]]] = field(default_factory=list)  # (step, --sample-prompts out)
     seconds: float = 0.0
     tokens: int = 0
     # this rank's parameters unsharded over TP (fp32), when asked for; merge pipeline ranks for the whole model
@@ -139,6 +141,7 @@ def run_training(cfg: Config, ctx: ParallelContext, device: torch.device | None 
         if load_checkpoint(engine, sampler, t.save if auto else t.load, tokenizer, missing_ok=auto) is None:
             log.info("--load auto: no checkpoint under %s yet, starting from step 0", t.save)
     engine.check_tied_embeddings()
+    prompts = read_prompts(cfg.logging.sample_prompts) if cfg.logging.sample_prompts else []
     eval_batches = _eval_batches(cfg, ctx, eval_ds) if eval_ds is not None and t.eval_interval > 0 else []
     writer = MetricsWriter(cfg.logging.log_dir, enabled=ctx.rank == 0, wandb_run=_init_wandb(cfg, ctx))
     bar = None
@@ -165,11 +168,19 @@ def run_training(cfg: Config, ctx: ParallelContext, device: torch.device | None 
                 eval_loss = sum(engine.eval_loss(b) for b in eval_batches) / len(eval_batches)
                 engine.check_tied_embeddings()
                 summary.eval_losses.append((step, eval_loss))
+            samples = None
+            if prompts and ((t.eval_interval and step % t.eval_interval == 0) or step == t.train_steps):
+                samples = generate_samples(engine, tokenizer, prompts, cfg.logging.sample_tokens)
+                summary.samples.append((step, samples))
             if not math.isfinite(res.loss):
                 raise FloatingPointError(f"loss is {res.loss} at step {step}; lower --lr or use --clip-grad")
-            if step % cfg.logging.log_interval == 0 or step == 1 or step == t.train_steps:
+            if step % cfg.logging.log_interval == 0 or step == 1 or step == t.train_steps or samples:
                 record = _step_record(cfg, ctx, engine, res, step_seconds, eval_loss)
                 if record is not None:
+                    if samples:
+                        record["samples"] = samples
+                        for smp in samples:
+                            log.info("sample at step %d: %r -> %r", step, smp["prompt"], smp["text"])
                     writer.write(record)
                     now = time.perf_counter()
                     tok_s = interval_tokens / (now - interval_start)

@@ -1,0 +1,375 @@
+"""Text generation from megazero's GPT: a KV cache, greedy or sampled decoding, any TP/PP topology.
+
+Decoding reads the weights of a built :class:`~megazero.model.gpt.GPT` (or of one rank's pipeline chunks) and
+runs its own incremental forward, so the training forward stays as it is. Per step it feeds only the new
+tokens: their positions start at the cache length, their keys and values are appended to :class:`KVCache`
+and attend to every cached position (the causal mask is offset by the cache length). The tensor-parallel
+layers are used as they are sharded: column-parallel matmuls on this rank's heads / FFN slice, row-parallel
+matmuls summed over ``tp_group``, the vocabulary-parallel embedding and LM head gathered over ``tp_group``.
+Sequence parallelism, dropout and ZeRO-3 hooks play no part (no module's ``forward`` is called), so the same
+code serves a model built for training with any of them; ZeRO-3 callers wrap it in
+``optimizer.gathered_parameters()``.
+
+With pipeline stages each rank runs its chunks in global stage order, receives the hidden states of the new
+tokens from the previous stage and sends its own to the next; the last stage picks the token and broadcasts
+it over ``pp_group``. The token is also broadcast from TP rank 0, so every rank of a replica agrees.
+
+Checkpoints load from a sharded ``--save`` directory of any topology (this rank's TP shard read straight from
+the shards, resharded as needed), a merged ``tools/convert_checkpoint.py`` export, or a Hugging Face GPT-2
+directory (:func:`load_model`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+from megazero.config import ModelConfig
+from megazero.distributed import Group
+from megazero.model.gpt import GPT
+from megazero.model.hf import to_hf_gpt2_tensor
+from megazero.tensor_parallel.layers import shard_full_tensor, tp_size_rank
+from megazero.tensor_parallel.mappings import gather_from_tp_region, reduce_from_tp_region
+
+__all__ = ["KVCache", "SamplingConfig", "TextCodec", "forward_step", "generate_ids", "generate_samples",
+           "load_model", "load_tokenizer", "read_prompts", "sample_next"]
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 switch those filters off."""
+
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_at_eos: bool = True
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"--temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"--top-k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p must be in (0, 1] (1 disables it), got {self.top_p}")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"--max-new-tokens must be >= 0, got {self.max_new_tokens}")
+
+
+class KVCache:
+    """Keys and values of every processed position, per layer: ``[B, nh/tp, max_len, hd]`` buffers.
+
+    :meth:`update` writes the new positions at ``length`` and returns the keys/values of positions
+    ``[0, length + new)``; :meth:`advance` moves ``length`` once every layer has seen the new positions.
+    """
+
+    def __init__(self, max_len: int) -> None:
+        self.max_len = max_len
+        self.length = 0
+        self._k: dict[int, torch.Tensor] = {}
+        self._v: dict[int, torch.Tensor] = {}
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache of {self.max_len} positions cannot hold {end}")
+        if layer not in self._k:
+            shape = (k.shape[0], k.shape[1], self.max_len, k.shape[3])
+            self._k[layer] = k.new_empty(shape)
+            self._v[layer] = v.new_empty(shape)
+        self._k[layer][:, :, self.length: end] = k
+        self._v[layer][:, :, self.length: end] = v
+        return self._k[layer][:, :, :end], self._v[layer][:, :, :end]
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+
+# ---- the incremental forward --------------------------------------------------------------------------------
+def _column(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Column-parallel linear: this rank's output slice."""
+    return F.linear(x, layer.weight, layer.bias)
+
+
+def _row(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Row-parallel linear: partial sums over this rank's input slice, summed over the TP group, then the bias."""
+    y = reduce_from_tp_region(F.linear(x, layer.weight), layer.tp_group)
+    return y + layer.bias if layer.bias is not None else y
+
+
+def _layer_norm(ln: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return F.layer_norm(x, ln.weight.shape, ln.weight, ln.bias, ln.eps)
+
+
+def _embed(model: GPT, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """Token embedding (vocabulary-parallel) + the positions ``[start, start + S)``: [B, S] -> [B, S, H]."""
+    wte = model.wte
+    tp_size, _ = tp_size_rank(wte.tp_group)
+    if tp_size == 1:
+        tokens = F.embedding(ids, wte.weight)
+    else:
+        local = ids - wte.vocab_start
+        outside = (local < 0) | (local >= wte.local_vocab)
+        tokens = F.embedding(local.masked_fill(outside, 0), wte.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        tokens = reduce_from_tp_region(tokens, wte.tp_group)
+    return tokens + model.wpe.weight[start: start + ids.shape[1]]
+
+
+def _attention(attn: torch.nn.Module, x: torch.Tensor, layer: int, cache: KVCache | None) -> torch.Tensor:
+    """Causal attention of the new positions over the cached and new ones: [B, S, H] -> [B, S, H]."""
+    q, k, v = _column(attn.qkv, x).chunk(3, dim=-1)  # 3 x [B, S, H/tp]
+    q, k, v = (rearrange(t, "b s (nh hd) -> b nh s hd", nh=attn.local_heads) for t in (q, k, v))
+    if cache is not None:
+        k, v = cache.update(layer, k, v)  # [B, nh/tp, past + S, hd]
+    new, total = q.shape[2], k.shape[2]
+    # query i sits at position past + i and sees keys 0 .. past + i
+    mask = torch.arange(total, device=x.device) <= torch.arange(total - new, total, device=x.device)[:, None]
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, nh/tp, S, hd]
+    return _row(attn.proj, rearrange(y, "b nh s hd -> b s (nh hd)"))
+
+
+def _mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return _row(mlp.proj, F.gelu(_column(mlp.fc, x), approximate="tanh"))
+
+
+@torch.no_grad()
+def forward_step(model: GPT, x: torch.Tensor, cache: KVCache | None, start: int = 0) -> torch.Tensor:
+    """One chunk's forward over new positions starting at ``start`` (the cache length, 0 without a cache).
+
+    ``x``: token ids [B, S] on the first stage, else the previous stage's hidden states [B, S, H]. Returns the
+    hidden states [B, S, H], or on the last stage the full, unpadded fp32 logits [B, S, vocab] (gathered over TP).
+    """
+    if model.pre_process:
+        x = _embed(model, x, start)
+    for name, block in model.blocks.items():
+        x = x + _attention(block.attn, _layer_norm(block.ln_1, x), int(name), cache)
+        x = x + _mlp(block.mlp, _layer_norm(block.ln_2, x))
+    if not model.post_process:
+        return x
+    logits = F.linear(_layer_norm(model.ln_f, x), model.wte.weight)  # [B, S, V/tp]
+    return gather_from_tp_region(logits, model.wte.tp_group)[..., : model.cfg.vocab_size].float()
+
+
+def sample_next(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The next token [B] from the last position's logits [B, V]: argmax at temperature 0, else a draw after
+    temperature scaling and the top-k and top-p (nucleus) filters."""
+    if cfg.temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / cfg.temperature
+    if cfg.top_k > 0:
+        kth = torch.topk(logits, min(cfg.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if cfg.top_p < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        drop = probs.cumsum(dim=-1) - probs > cfg.top_p  # keep the smallest prefix whose mass reaches top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+
+
+def _pipeline_forward(chunks: list[GPT], ids: torch.Tensor, cache: KVCache | None, start: int,
+                      pp_group: Group | None) -> torch.Tensor | None:
+    """Run the new positions through every stage; the last stage returns logits, other ranks None."""
+    pp_size, pp_rank = tp_size_rank(pp_group)
+    out, sends = None, []
+    for chunk in chunks:  # chunk v is global stage v * pp + pp_rank; every rank runs them in that order
+        if chunk.pre_process:
+            x = ids
+        else:
+            ref = chunk.blocks[next(iter(chunk.blocks))].ln_1.weight if chunk.blocks else chunk.ln_f.weight
+            x = torch.empty((*ids.shape, chunk.cfg.hidden_size), dtype=ref.dtype, device=ref.device)
+            pp_group.recv(x, src=(pp_rank - 1) % pp_size)
+        y = forward_step(chunk, x, cache, start)
+        if chunk.post_process:
+            out = y
+        else:
+            y = y.contiguous()
+            sends.append((pp_group.isend(y, dst=(pp_rank + 1) % pp_size, tag="other"), y))
+    for work, _ in sends:
+        work.wait()
+    return out
+
+
+@torch.no_grad()
+def generate_ids(chunks: GPT | list[GPT], prompt: list[int], cfg: SamplingConfig, pp_group: Group | None = None,
+                 use_cache: bool = True, eos_id: int | None = None) -> list[int]:
+    """New token ids after ``prompt`` (one sequence). Collective over this replica's TP and PP groups: every
+    rank of the replica calls it with the same arguments and gets the same tokens.
+
+    ``chunks``: this rank's model chunks in order (one :class:`GPT` holding every layer without pipelining).
+    Without ``use_cache`` every step runs the whole sequence again (a reference for the cache).
+    """
+    chunks = [chunks] if isinstance(chunks, GPT) else list(chunks)
+    mcfg = chunks[0].cfg
+    if not prompt:
+        raise ValueError("the prompt is empty; give at least one token of text")
+    if len(prompt) + cfg.max_new_tokens > mcfg.seq_len:
+        raise ValueError(f"prompt ({len(prompt)} tokens) + --max-new-tokens ({cfg.max_new_tokens}) exceeds the "
+                         f"model's context of {mcfg.seq_len} positions; shorten the prompt or ask for fewer tokens")
+    device = chunks[0].wte.weight.device if hasattr(chunks[0], "wte") else next(chunks[0].parameters()).device
+    tp_group = next(c.blocks[n].attn.qkv.tp_group for c in chunks for n in c.blocks) if any(
+        c.blocks for c in chunks) else chunks[0].wte.tp_group
+    pp_last = (pp_group.size - 1) if pp_group is not None else 0
+    generator = torch.Generator(device).manual_seed(cfg.seed) if cfg.temperature > 0 else None
+    cache = KVCache(mcfg.seq_len) if use_cache else None
+    tokens, new = list(prompt), []
+    for _ in range(cfg.max_new_tokens):
+        start = cache.length if cache is not None else 0
+        ids = torch.tensor([tokens[start:]], dtype=torch.long, device=device)
+        logits = _pipeline_forward(chunks, ids, cache, start, pp_group)
+        if cache is not None:
+            cache.advance(ids.shape[1])
+        token = torch.zeros(1, dtype=torch.long, device=device)
+        if logits is not None:
+            token = sample_next(logits[:, -1], cfg, generator)
+        if tp_group is not None:
+            tp_group.broadcast(token, src=0, tag="other")
+        if pp_group is not None:
+            pp_group.broadcast(token, src=pp_last, tag="other")
+        t = int(token.item())
+        tokens.append(t)
+        new.append(t)
+        if cfg.stop_at_eos and eos_id is not None and t == eos_id:
+            break
+    return new
+
+
+def read_prompts(path: str | os.PathLike) -> list[str]:
+    """The prompts of a ``--sample-prompts`` file: one per non-empty line (``\\n`` in a line is a newline)."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    prompts = [line.replace("\\n", "\n") for line in lines if line.strip()]
+    if not prompts:
+        raise ValueError(f"--sample-prompts {path} holds no prompt (one prompt a line)")
+    return prompts
+
+
+def generate_samples(engine: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int) -> list[dict[str, Any]]:
+    """Greedy continuations of ``prompts`` by the model being trained, at any topology: a collective over the
+    world (every rank calls it; each DP replica decodes the same tokens). Prompts are cut on the left to leave
+    room for ``max_new_tokens`` in the context. Returns ``{"prompt", "text", "ids"}`` per prompt."""
+    seq_len = engine.cfg.model.seq_len
+    n_new = min(max_new_tokens, seq_len - 1)
+    out = []
+    with engine.optimizer.gathered_parameters():
+        for prompt in prompts:
+            ids = tokenizer.encode(prompt)[-(seq_len - n_new):] or [tokenizer.eos_id]
+            new = generate_ids(engine.chunks, ids, SamplingConfig(n_new, temperature=0), engine.ctx.pp_group,
+                               eos_id=tokenizer.eos_id)
+            out.append({"prompt": prompt, "text": tokenizer.decode(new), "ids": new})
+    return out
+
+
+# ---- loading ------------------------------------------------------------------------------------------------
+class TextCodec(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class _HFTokenizer:
+    """A ``transformers`` tokenizer behind megazero's encode/decode (no special tokens added)."""
+
+    def __init__(self, path: Path) -> None:
+        from transformers import AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        self.eos_id = self._tok.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids)
+
+
+def load_tokenizer(path: str | os.PathLike, override: str | None = None) -> Any:
+    """The tokenizer of a checkpoint or export directory: ``override``, its ``tokenizer.model``, else a Hugging
+    Face tokenizer saved beside it. Has ``encode``, ``decode`` and ``eos_id``."""
+    from megazero.checkpoint import CheckpointReader, find_checkpoint
+    from megazero.data.tokenizer import Tokenizer
+
+    if override:
+        return Tokenizer(override)
+    path = Path(path)
+    step_dir = find_checkpoint(path) if path.is_dir() and not (path / "config.json").is_file() else None
+    if step_dir is not None:
+        found = CheckpointReader(step_dir, verify=False).tokenizer_path()
+        if found is not None:
+            return Tokenizer(found)
+    elif (path / "tokenizer.model").is_file():
+        return Tokenizer(path / "tokenizer.model")
+    elif (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
+        return _HFTokenizer(path)
+    raise ValueError(f"{path} holds no tokenizer (tokenizer.model or tokenizer.json); pass --tokenizer MODEL")
+
+
+def _hf_model_config(hf: dict[str, Any]) -> ModelConfig:
+    n_embd = hf["n_embd"]
+    if hf.get("n_inner") not in (None, 4 * n_embd):
+        raise ValueError(f"n_inner {hf['n_inner']} != 4 * n_embd: megazero's GPT-2 has a 4H MLP")
+    if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ValueError(f"activation_function {hf['activation_function']!r}: megazero's GPT-2 uses tanh-GELU")
+    return ModelConfig(num_layers=hf["n_layer"], hidden_size=n_embd, num_heads=hf["n_head"],
+                       seq_len=hf["n_positions"], vocab_size=hf["vocab_size"],
+                       layernorm_eps=hf.get("layer_norm_epsilon", 1e-5), init_std=hf.get("initializer_range", 0.02))
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    if (path / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        return load_file(str(path / "model.safetensors"))
+    if (path / "pytorch_model.bin").is_file():
+        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise ValueError(f"{path} has no model.safetensors or pytorch_model.bin")
+
+
+@torch.no_grad()
+def load_model(path: str | os.PathLike, tp_group: Group | None = None, device: torch.device | str = "cpu",
+               dtype: torch.dtype = torch.float32, step: int | None = None) -> GPT:
+    """A whole :class:`GPT` (every layer) for this TP rank, from ``path``: a ``--save`` directory or step
+    directory (sharded, any topology), a merged export (``config.json`` with ``megazero_model``) or a Hugging
+    Face GPT-2 directory (``config.json`` with ``model_type`` gpt2)."""
+    from megazero.checkpoint import CheckpointError, CheckpointReader, find_checkpoint
+
+    path = Path(path)
+    tp_size, tp_rank = tp_size_rank(tp_group)
+    config_file = path / "config.json"
+    if config_file.is_file():
+        meta = json.loads(config_file.read_text())
+        if "megazero_model" in meta:
+            cfg, hf = ModelConfig(**meta["megazero_model"]), False
+        elif meta.get("model_type") == "gpt2":
+            cfg, hf = _hf_model_config(meta), True
+        else:
+            raise ValueError(f"{config_file} is neither a megazero export nor a Hugging Face GPT-2 config")
+        state = _read_weights(path)
+        model = GPT(cfg, tp_group)
+        for name, p in model.named_parameters():
+            if hf:
+                key, _ = to_hf_gpt2_tensor(name, torch.empty(p.shard_spec.full_shape, device="meta"), cfg)
+                t = state.get(key, state.get(key.removeprefix("transformer.")))
+                if t is None:
+                    raise ValueError(f"{path}: the Hugging Face weights lack {key}")
+                full = to_hf_gpt2_tensor(name, t, cfg)[1]  # the transposes are their own inverse
+            else:
+                full = state[name]
+            p.copy_(shard_full_tensor(full.float(), p.shard_spec, tp_rank, tp_size))
+    else:
+        step_dir = path / f"step_{step:08d}" if step is not None else find_checkpoint(path)
+        if step_dir is None:
+            raise CheckpointError(f"no checkpoint in {path}: no latest file, no step_* directory, no config.json")
+        reader = CheckpointReader(step_dir)
+        model = GPT(ModelConfig(**reader.manifest["model"]), tp_group)
+        for name, p in model.named_parameters():
+            if name not in reader.tensors:
+                raise CheckpointError(f"checkpoint {step_dir} has no tensor {name}")
+            p.copy_(reader.values_for(name, p.shard_spec, tp_rank, tp_size, 0, p.numel(), "master").view(p.shape))
+    return model.to(device=device, dtype=dtype).eval()
