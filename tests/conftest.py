@@ -27,11 +27,11 @@ def subprocess_env(data_cache) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def reference(data_cache, tmp_path_factory):
-    """The single-process reference run of tests/common.py's small GPT: (losses, full final state)."""
-    from tests.common import REFERENCE_FLAGS, train_runs
-    from tests.dist import run_world
+def reference(data_cache):
+    """The independent reference of tests/common.py's small GPT (global batch 8): Hugging Face GPT-2,
+    torch.optim.AdamW, clip_grad_norm_ and LambdaLR in one process (tests/reference.py), as
+    (losses, full final state under megazero's names). Computed once per session."""
+    from tests.reference import run_reference
 
-    [(losses, state)] = run_world(train_runs, 1, [REFERENCE_FLAGS], data_cache,
-                                  str(tmp_path_factory.mktemp("reference")))[0]
-    return losses, state
+    ref = run_reference(data_cache)
+    return ref.losses, ref.final

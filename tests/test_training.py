@@ -23,7 +23,6 @@ def test_data_parallel_matches_single_process(reference, data_cache, tmp_path):
         assert_matches_reference(losses, state, reference)
     ref_losses = reference[0]
     assert ref_losses[-1] < ref_losses[0] - 0.5  # it learns
-    assert results[1][0][0] == results[0][0][0]  # every rank reports the same global loss
 
 
 def _launch(args: list[str], env: dict[str, str], nproc: int | None = None, timeout: float = 300):
