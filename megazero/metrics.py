@@ -41,6 +41,7 @@ __all__ = [
 MEMORY_KEYS = (
     "params_bytes", "grads_bytes", "master_params_bytes", "optimizer_states_bytes", "activation_peak_bytes",
     "device_allocated_bytes", "device_peak_bytes", "device_reserved_bytes", "host_rss_bytes",
+    "peak_bytes", "peak_by_category", "device_step_peak_bytes",
 )
 
 
@@ -185,11 +186,14 @@ def host_rss_bytes() -> int | None:
 
 def rank_memory_record(coords: dict[str, int], model_state: dict[str, int],
                        activation_peak_bytes: int | None = None,
-                       device: torch.device | str | None = None) -> dict[str, Any]:
+                       device: torch.device | str | None = None,
+                       peak: dict[str, Any] | None = None) -> dict[str, Any]:
     """This rank's memory record: coordinates, model-state breakdown, device and host figures.
 
     On CUDA (``device``, else the current CUDA device once CUDA is in use): ``memory_allocated``,
-    ``max_memory_allocated`` and ``memory_reserved``; everywhere: the process's resident set size.
+    ``max_memory_allocated`` and ``memory_reserved``; everywhere: the process's resident set size. ``peak``
+    (a :class:`megazero.memory.StepPeak`) adds the step's measured peak: ``peak_bytes``, ``peak_by_category``
+    and, on CUDA, ``device_step_peak_bytes`` (``max_memory_allocated`` over that step).
     """
     rec: dict[str, Any] = dict(coords)
     rec.update({k: None for k in MEMORY_KEYS})
@@ -198,9 +202,14 @@ def rank_memory_record(coords: dict[str, int], model_state: dict[str, int],
     dev = torch.device(device) if device is not None else None
     if (dev is None or dev.type == "cuda") and torch.cuda.is_available() and torch.cuda.is_initialized():
         rec["device_allocated_bytes"] = torch.cuda.memory_allocated(dev)
-        rec["device_peak_bytes"] = torch.cuda.max_memory_allocated(dev)
+        rec["device_peak_bytes"] = max(torch.cuda.max_memory_allocated(dev),
+                                       (peak or {}).get("device_run_peak_bytes") or 0)
         rec["device_reserved_bytes"] = torch.cuda.memory_reserved(dev)
     rec["host_rss_bytes"] = host_rss_bytes()
+    if peak is not None:
+        rec["peak_bytes"] = peak["peak_bytes"]
+        rec["peak_by_category"] = dict(peak["peak_by_category"])
+        rec["device_step_peak_bytes"] = peak.get("device_step_peak_bytes")
     return rec
 
 
@@ -243,7 +252,8 @@ _WANDB_MEMORY = {
     "params_bytes": "params_gib", "grads_bytes": "grads_gib", "master_params_bytes": "master_params_gib",
     "optimizer_states_bytes": "optimizer_states_gib", "activation_peak_bytes": "activations_gib",
     "device_allocated_bytes": "allocated_gib", "device_peak_bytes": "max_allocated_gib",
-    "device_reserved_bytes": "reserved_gib", "host_rss_bytes": "host_rss_gib",
+    "device_reserved_bytes": "reserved_gib", "host_rss_bytes": "host_rss_gib", "peak_bytes": "peak_gib",
+    "device_step_peak_bytes": "step_max_allocated_gib",
 }
 _MODEL_STATE_KEYS = ("params_bytes", "grads_bytes", "master_params_bytes", "optimizer_states_bytes")
 
@@ -254,8 +264,9 @@ def wandb_series(record: dict[str, Any]) -> dict[str, float]:
     Scalars keep their names (``loss``, ``tokens_per_s``, ``mfu``...; nulls are left out). Per rank r:
     ``memory/rank{r}/{params,grads,master_params,optimizer_states,model_states,activations}_gib``, the
     device's ``allocated_gib``, ``max_allocated_gib`` and ``reserved_gib`` (on a CPU rank, where there is no
-    device allocator, ``allocated_gib`` is the process's resident memory), ``host_rss_gib``, and
-    ``comm/rank{r}/volume_elements_per_step``.
+    device allocator, ``allocated_gib`` is the process's resident memory), ``host_rss_gib``, the measured
+    peak of the step ``peak_gib`` with its parts ``peak/{category}_gib`` (:data:`megazero.memory.CATEGORIES`)
+    and, on CUDA, ``step_max_allocated_gib`` beside it; and ``comm/rank{r}/volume_elements_per_step``.
     """
     out: dict[str, float] = {k: int(v) if isinstance(v, bool) else v for k, v in record.items()
                              if isinstance(v, (int, float)) and k != "step"}
@@ -264,6 +275,8 @@ def wandb_series(record: dict[str, Any]) -> dict[str, float]:
         for key, name in _WANDB_MEMORY.items():
             if rec.get(key) is not None:
                 out[prefix + name] = rec[key] / 2**30
+        for cat, nbytes in (rec.get("peak_by_category") or {}).items():
+            out[f"{prefix}peak/{cat}_gib"] = nbytes / 2**30
         if all(rec.get(k) is not None for k in _MODEL_STATE_KEYS):
             out[prefix + "model_states_gib"] = sum(rec[k] for k in _MODEL_STATE_KEYS) / 2**30
         if rec.get("device_allocated_bytes") is None and rec.get("host_rss_bytes") is not None:

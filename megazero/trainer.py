@@ -9,6 +9,7 @@ directly inside a world of the test harness.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -25,6 +26,7 @@ from megazero.data import DistributedBatchSampler, build_datasets, collate, reso
 from megazero.engine import Engine, StepResult
 from megazero.generate import generate_samples, read_prompts
 from megazero.log import get_logger
+from megazero.memory import PeakMemoryTracker, StepPeak, zero_buffers
 from megazero.metrics import (
     MetricsWriter,
     gather_rank_records,
@@ -84,10 +86,13 @@ def _init_wandb(cfg: Config, ctx: ParallelContext) -> Any | None:
 
 
 def _step_record(cfg: Config, ctx: ParallelContext, engine: Engine, res: StepResult, step_seconds: float,
-                 eval_loss: float | None) -> dict[str, Any] | None:
-    """Gather every rank's memory and comm records (a collective) and build the metrics.jsonl object on rank 0."""
+                 eval_loss: float | None, peak: StepPeak | None = None) -> dict[str, Any] | None:
+    """Gather every rank's memory and comm records (a collective) and build the metrics.jsonl object on rank 0.
+
+    ``peak`` is what :class:`~megazero.memory.PeakMemoryTracker` measured during this step (logged steps).
+    """
     memory = rank_memory_record(ctx.coords(), engine.optimizer.model_state_bytes(), engine.activation_peak_bytes,
-                                engine.device)
+                                engine.device, peak)
     comm = {"rank": ctx.rank, "volume_elements_per_step": ctx.ledger.dp_volume_last_step(),
             "breakdown": ctx.ledger.breakdown_last_step()}
     gathered = gather_rank_records({"memory": memory, "comm": comm})
@@ -153,13 +158,21 @@ def run_training(cfg: Config, ctx: ParallelContext, device: torch.device | None 
     start = time.perf_counter()
     interval_start, interval_tokens = start, 0
     first = engine.step + 1  # after a resume, the step after the checkpoint's
+    # the peak of live tensors by category, measured on logged steps only (it slows the step it measures, so
+    # a tracked step's speed figures come from the last untracked step, where there is one)
+    peak_tracker = PeakMemoryTracker(engine.device, lambda: zero_buffers(engine.optimizer), engine.chunks)
+    untracked_seconds: float | None = None
     try:
         for step in range(first, t.train_steps + 1):
             step_start = time.perf_counter()
             batch = [collate(train_ds, idx) for idx in sampler.next_global_batch()]
-            res = engine.train_step(batch)
+            logged = step % cfg.logging.log_interval == 0 or step == 1 or step == t.train_steps
+            with peak_tracker if logged else contextlib.nullcontext():
+                res = engine.train_step(batch)
             maybe_inject_fault("step", ctx.rank, step)
             step_seconds = time.perf_counter() - step_start
+            if not logged:
+                untracked_seconds = step_seconds
             summary.losses.append(res.loss)
             summary.tokens += res.tokens
             interval_tokens += res.tokens
@@ -174,8 +187,9 @@ def run_training(cfg: Config, ctx: ParallelContext, device: torch.device | None 
                 summary.samples.append((step, samples))
             if not math.isfinite(res.loss):
                 raise FloatingPointError(f"loss is {res.loss} at step {step}; lower --lr or use --clip-grad")
-            if step % cfg.logging.log_interval == 0 or step == 1 or step == t.train_steps or samples:
-                record = _step_record(cfg, ctx, engine, res, step_seconds, eval_loss)
+            if logged or samples:
+                record = _step_record(cfg, ctx, engine, res, untracked_seconds or step_seconds, eval_loss,
+                                      peak_tracker.result() if logged else None)
                 if record is not None:
                     if samples:
                         record["samples"] = samples
