@@ -223,11 +223,20 @@ def gather_rank_records(record: dict[str, Any]) -> list[dict[str, Any]] | None:
 
 
 class MetricsWriter:
-    """Writes metrics.jsonl (and W&B when enabled) on rank 0; a no-op elsewhere."""
+    """Writes metrics.jsonl (and W&B when enabled) on rank 0; a no-op elsewhere.
+
+    With W&B the run also gets the self-building memory dashboard and the samples table
+    (:class:`megazero.dashboard.WandbDashboard`).
+    """
 
     def __init__(self, log_dir: str | os.PathLike, enabled: bool, wandb_run: Any | None = None) -> None:
         self.enabled = enabled
         self.wandb_run = wandb_run
+        self.dashboard = None
+        if wandb_run is not None:
+            from megazero.dashboard import WandbDashboard
+
+            self.dashboard = WandbDashboard(wandb_run)
         self.path = Path(log_dir) / "metrics.jsonl"
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -239,11 +248,13 @@ class MetricsWriter:
         self._file.write(json.dumps(record) + "\n")
         if self.wandb_run is not None:
             self.wandb_run.log(wandb_series(record), step=record["step"])
+            self.dashboard.update(record)
 
     def close(self) -> None:
         if self.enabled:
             self._file.close()
             if self.wandb_run is not None:
+                self.dashboard.finish()
                 self.wandb_run.finish()
 
 

@@ -185,7 +185,8 @@ def _parallel(ctx, ckpt: str, flags_file: str, log_dir: str) -> dict:
     flags = _sample_flags(Path(flags_file))
     for name, c, extra in (("tp", sub["tp"], ["--tp", "2", "--micro-batch-size", "16"]),
                            ("pp", sub["pp"], ["--pp", "2", "--micro-batch-size", "8"]),
-                           ("dp_z3", ctx, ["--zero-stage", "3", "--micro-batch-size", "8"])):
+                           ("dp_z3", ctx, ["--zero-stage", "3", "--micro-batch-size", "8", "--log-interval", "1",
+                                           "--wandb-project", "megazero-tests", "--wandb-mode", "offline"])):
         cfg = parse_args([*FLAGS, *flags, *extra, "--log-dir", f"{log_dir}/{name}"]).resolve(2)
         out[name] = run_training(cfg, c).samples
     return out
@@ -209,3 +210,10 @@ def test_parallel_decoding_equals_one_process(trained, tmp_path) -> None:
     # metrics.jsonl carries the samples on the evaluation step
     recs = [json.loads(line) for line in (trained["log"] / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["samples"]) for r in recs if "samples" in r] == ref
+    # the dp=2 run's W&B (offline) files: the memory dashboard (one line per rank) and the samples table
+    from tests.test_dashboard import check_dashboard
+
+    log = tmp_path / "dp_z3"
+    recs = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
+    tables = check_dashboard(log, recs, 2)
+    assert tables["samples"]["data"] == [[STEPS + 2, s["prompt"], s["text"]] for s in ref[0][1]]

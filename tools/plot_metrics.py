@@ -6,23 +6,35 @@
 Writes ``loss.png`` (training loss, and evaluation loss where logged), ``memory.png`` (per rank: the
 model-state breakdown -- params, grads, master params, optimizer states -- stacked with the activation peak,
 and beside it what the device allocator, or on CPU the process's resident memory, measured) and
-``throughput.png`` (tokens/s, TFLOP/s per GPU, MFU and HFU where the peak FLOP/s is known).
+``throughput.png`` (tokens/s, TFLOP/s per GPU, MFU and HFU where the peak FLOP/s is known), and the memory
+dashboard the W&B run builds (:mod:`megazero.dashboard`): ``memory_by_category.png`` (one panel per memory
+category, measured peak and its breakdown included where recorded, one line per rank over the steps) and
+``peak_by_rank.png`` (each rank's peak at the plotted step).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
+
+try:
+    import megazero  # noqa: F401
+except ImportError:  # running from a checkout without `pip install -e .`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-__all__ = ["load_records", "main", "plot_loss", "plot_memory", "plot_throughput"]
+from megazero.dashboard import memory_series, rank_peaks  # noqa: E402
+
+__all__ = ["load_records", "main", "plot_loss", "plot_memory", "plot_memory_by_category", "plot_peak_by_rank",
+           "plot_throughput"]
 
 BREAKDOWN = (("params_bytes", "params"), ("grads_bytes", "grads"), ("master_params_bytes", "master params"),
              ("optimizer_states_bytes", "optimizer states"), ("activation_peak_bytes", "activations (peak)"))
@@ -114,6 +126,46 @@ def plot_memory(record: dict[str, Any], out: Path) -> Path:
     return path
 
 
+def plot_memory_by_category(records: list[dict[str, Any]], out: Path) -> Path:
+    """One panel per memory category, one line per rank over the logged steps (the W&B dashboard's charts)."""
+    series = memory_series(records)
+    if not series:
+        raise ValueError("no record holds per-rank memory")
+    cols = min(3, len(series))
+    rows = -(-len(series) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.3 * rows), squeeze=False)
+    for ax, s in zip(axes.flat, series.values()):
+        div, unit = _unit(max((v or 0) for vals in s["ranks"].values() for v in vals))
+        for rank, vals in sorted(s["ranks"].items()):
+            pts = [(x, v / div) for x, v in zip(s["steps"], vals) if v is not None]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=f"rank {rank}")
+        ax.set(title=s["title"], xlabel="step", ylabel=unit)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(series):]:
+        ax.axis("off")
+    path = out / "memory_by_category.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_peak_by_rank(record: dict[str, Any], out: Path) -> Path:
+    """Bar chart of each rank's peak memory in one record."""
+    peaks, source = rank_peaks(record)
+    div, unit = _unit(max((b for _, b in peaks), default=1))
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.8 * len(peaks) + 2), 3.5))
+    ax.bar([str(r) for r, _ in peaks], [b / div for _, b in peaks])
+    ax.set(xlabel="rank", ylabel=unit, title=f"Peak per rank, step {record['step']} ({source})")
+    ax.grid(axis="y", alpha=0.3)
+    path = out / "peak_by_rank.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def plot_throughput(records: list[dict[str, Any]], out: Path) -> Path:
     """Tokens/s, TFLOP/s per GPU, and MFU/HFU (in %) per logged step."""
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
@@ -160,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     mem = [r for r in records if r.get("memory") and (args.step is None or r["step"] == args.step)]
     if not mem:
         p.error(f"no record with per-rank memory{f' at step {args.step}' if args.step is not None else ''}")
-    for path in (plot_loss(records, out), plot_memory(mem[-1], out), plot_throughput(records, out)):
+    for path in (plot_loss(records, out), plot_memory(mem[-1], out), plot_throughput(records, out),
+                 plot_memory_by_category(records, out), plot_peak_by_rank(mem[-1], out)):
         print(path)
     return 0
 
