@@ -14,6 +14,7 @@ The DeepSpeed JSON mapping lives in :mod:`megazero.ds_config`.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -207,7 +208,7 @@ class LoggingConfig:
 
 @dataclass
 class TrainingConfig:
-    micro_batch_size: int = 16
+    micro_batch_size: int | None = 16  # None (a DeepSpeed file without it): global / (accumulation * dp)
     global_batch_size: int | None = None  # None: micro_batch_size * dp
     gradient_accumulation_steps: int | None = None  # derived: global / (micro * dp)
     train_steps: int = 300
@@ -328,7 +329,12 @@ def resolve_config(cfg: Config, world_size: int) -> Config:
     micro, accum, glob = t.micro_batch_size, t.gradient_accumulation_steps, t.global_batch_size
     names = (f"--global-batch-size (train_batch_size) {glob}", f"--micro-batch-size "
              f"(train_micro_batch_size_per_gpu) {micro}", f"dp {dp}")
-    if glob is None:
+    if micro is None:  # DeepSpeed: train_micro_batch_size_per_gpu = train_batch_size / (accumulation x dp)
+        accum = accum or 1
+        _require(glob is not None and glob % (accum * dp) == 0, f"{names[0]} is not divisible by "
+                 f"gradient_accumulation_steps {accum} x {names[2]}; set --micro-batch-size")
+        micro = glob // (accum * dp)
+    elif glob is None:
         accum = accum or 1
         glob = micro * dp * accum
     elif accum is None:
@@ -356,11 +362,14 @@ def resolve_config(cfg: Config, world_size: int) -> Config:
     _require(s.warmup_type == "linear" or s.name.startswith("warmup_"),
              f"the {s.name} schedule warms up linearly; warmup_type {s.warmup_type!r} needs a DeepSpeed schedule")
     _require(s.warmup_steps >= 0, f"--warmup-steps must be non-negative, got {s.warmup_steps}")
-    _require(s.warmup_steps <= t.train_steps, f"--warmup-steps (scheduler.params.warmup_num_steps) "
-             f"{s.warmup_steps} exceeds --train-steps {t.train_steps}; shorten the warm-up or train longer")
     decay_steps = t.train_steps if s.decay_steps is None else s.decay_steps
-    _require(decay_steps >= s.warmup_steps, f"--lr-decay-steps (scheduler.params.total_num_steps) {decay_steps} "
-             f"is before the end of the warm-up (--warmup-steps {s.warmup_steps}); make it at least that")
+    if s.warmup_steps > t.train_steps:  # a short trial run of a long recipe: DeepSpeed trains, so do we
+        warnings.warn(f"--warmup-steps (scheduler.params.warmup_num_steps) {s.warmup_steps} exceeds --train-steps "
+                      f"{t.train_steps}: the whole run stays in the warm-up", ConfigWarning, stacklevel=2)
+    elif decay_steps < s.warmup_steps:  # DeepSpeed's WarmupDecayLR warns about this too
+        warnings.warn(f"--lr-decay-steps (scheduler.params.total_num_steps) {decay_steps} is before the end of the "
+                      f"warm-up (--warmup-steps {s.warmup_steps}): the lr decays right after the warm-up",
+                      ConfigWarning, stacklevel=2)
     _require(0.0 <= s.warmup_min_lr <= o.lr, f"scheduler.params.warmup_min_lr {s.warmup_min_lr} must be in "
              f"[0, --lr {o.lr}]")
     if s.name == "cosine":
@@ -424,7 +433,8 @@ def resolve_config(cfg: Config, world_size: int) -> Config:
              f"{cfg.data.eval_fraction}")
 
     resolved = replace(cfg, parallel=replace(p, dp_size=dp),
-                       training=replace(t, global_batch_size=glob, gradient_accumulation_steps=accum),
+                       training=replace(t, micro_batch_size=micro, global_batch_size=glob,
+                                        gradient_accumulation_steps=accum),
                        scheduler=replace(s, decay_steps=decay_steps))
     _check_not_yet_supported(resolved)
     return resolved

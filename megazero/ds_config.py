@@ -5,10 +5,17 @@ Every key falls in exactly one of four classes, kept as the explicit tables belo
 (a) ``SUPPORTED_KEYS``: mapped onto a megazero setting, with DeepSpeed's meaning.
 (b) ``IGNORED_KEYS``: accepted with a one-line :class:`~megazero.config.ConfigWarning`; only keys that cannot
     change what is trained (logging, profiling, performance knobs, NVMe/IO tuning, save formats).
-(c) ``NOT_SUPPORTED_KEYS``: recognised, but megazero cannot do it yet -> :class:`ConfigError`. A value that
-    requests nothing (DeepSpeed's default, e.g. ``"sparse_gradients": false`` or a block with
-    ``"enabled": false``) is accepted with a warning instead.
-(d) anything else: unknown -> ConfigError naming the full key path, with a "did you mean" when one is close.
+(c) ``NOT_SUPPORTED_KEYS``: recognised, but megazero cannot do it yet -> :class:`ConfigError` naming the key
+    and what to use instead (``ALTERNATIVES``). A value that requests nothing (DeepSpeed's default, e.g.
+    ``"sparse_gradients": false`` or a block with ``"enabled": false``) is accepted with a warning instead.
+(d) anything else: unknown. At the top level DeepSpeed reads the keys it knows and ignores the rest, so
+    megazero does too, with one warning naming them all (with a "did you mean" where one is close). Inside a
+    block DeepSpeed's pydantic models refuse unknown keys, so megazero raises ConfigError naming the path.
+
+What DeepSpeed's own parser does with configs in the style of its documentation and of fine-tuning tutorials
+is recorded in ``tests/fixtures/ds_configs`` (``*.verdict.json``); the test suite holds megazero to the same
+verdicts, except where megazero refuses a key DeepSpeed honours (NVMe offload, optimizers other than Adam),
+naming the key and the alternative.
 
 Nested keys are classified by their full dotted path (``zero_optimization.offload_optimizer.device``).
 ``"auto"`` (as in the Hugging Face integration) means "take the value from the command line or the default".
@@ -33,6 +40,7 @@ from typing import Any
 from megazero.config import ConfigError, ConfigWarning
 
 __all__ = [
+    "ALTERNATIVES",
     "DeepSpeedSettings",
     "IGNORED_KEYS",
     "NOT_SUPPORTED_KEYS",
@@ -122,6 +130,26 @@ NOT_SUPPORTED_KEYS: Mapping[str, object] = MappingProxyType({
     "zero_optimization.mics_hierarchical_params_gather": False, "zero_optimization.cpu_offload": False,
     "zero_optimization.cpu_offload_params": False, "zero_optimization.legacy_stage1": False,
     "zero_optimization.offload_optimizer.ratio": 1.0,
+})
+
+# What to use instead of a NOT_SUPPORTED_KEYS entry (default: remove it).
+ALTERNATIVES: Mapping[str, str] = MappingProxyType({
+    "amp": 'use "bf16": {"enabled": true} (or "fp16") instead of Apex AMP',
+    "sparse_attention": "remove the block: megazero's attention is dense (and DeepSpeed 0.19 removed it)",
+    "pipeline": "use --pp N (and --pp-schedule, --virtual-stages) for pipeline parallelism",
+    "curriculum_learning": "remove it; megazero samples fixed-length sequences",
+    "data_efficiency": "remove it; megazero samples fixed-length sequences",
+    "elasticity": "fix the world size; torchrun --max-restarts with --load auto resumes a failed job",
+    "autotuning": "tools/plan.py searches topologies, micro-batch and ZeRO stage with the memory estimator",
+    "fp32_allreduce": "remove it: bf16 gradients are reduced in fp32 by default",
+    "zero_optimization.cpu_offload": 'use "offload_optimizer": {"device": "cpu"}',
+    "zero_optimization.cpu_offload_params": 'use "offload_param": {"device": "cpu"}',
+    "zero_optimization.legacy_stage1": 'remove it; "stage": 1 is the partitioned-optimizer stage',
+    "zero_optimization.offload_optimizer.ratio": "remove it: the whole optimizer state is offloaded",
+    "scheduler.params.last_batch_iteration": "resume with --load, which restores the step",
+    "optimizer.params.amsgrad": "remove it; megazero's Adam/AdamW has no AMSGrad variant",
+    "optimizer.params.bias_correction": "remove it; Adam is always bias-corrected",
+    "fp16.fp16_master_weights_and_grads": "remove it; master weights stay in fp32",
 })
 
 _ADAM_TYPES = ("adam", "adamw")
@@ -222,6 +250,7 @@ def _is_inert(value: Any, inert: object) -> bool:
 
 def _classify(block: Mapping[str, Any], prefix: str) -> None:
     """Walk the keys of one JSON object: recurse into supported blocks, warn or raise for the rest."""
+    ignored = []
     for key, value in block.items():
         path = f"{prefix}.{key}" if prefix else key
         if path in SUPPORTED_KEYS:
@@ -233,9 +262,12 @@ def _classify(block: Mapping[str, Any], prefix: str) -> None:
             _warn(f"DeepSpeed key `{path}` is accepted but ignored by megazero ({IGNORED_KEYS[path]})")
         elif path in NOT_SUPPORTED_KEYS:
             if not _is_inert(value, NOT_SUPPORTED_KEYS[path]):
-                raise ConfigError(f"`{path}` is recognised but not supported yet by megazero; remove it from "
-                                  "the DeepSpeed config")
+                instead = ALTERNATIVES.get(path, "remove it from the DeepSpeed config")
+                raise ConfigError(f"`{path}` is recognised but not supported yet by megazero; {instead}")
             _warn(f"DeepSpeed key `{path}` = {value!r} requests nothing and is ignored by megazero")
+        elif not prefix:  # DeepSpeed reads the top-level keys it knows and ignores the rest
+            close = difflib.get_close_matches(str(key), _children(""), n=1)
+            ignored.append(f"`{key}`" + (f" (did you mean `{close[0]}`?)" if close else ""))
         else:
             close = difflib.get_close_matches(str(key), _children(prefix), n=1)
             if close:
@@ -243,6 +275,9 @@ def _classify(block: Mapping[str, Any], prefix: str) -> None:
             else:
                 hint = f"; megazero reads {', '.join(_children(prefix, SUPPORTED_KEYS))} here"
             raise ConfigError(f"unknown DeepSpeed config key `{path}`{hint} (all keys: megazero/ds_config.py)")
+    if ignored:
+        _warn(f"top-level DeepSpeed config keys {', '.join(ignored)} are not settings megazero knows and are "
+              "ignored (DeepSpeed ignores unknown top-level keys too)")
 
 
 def _warn(message: str) -> None:
@@ -331,6 +366,8 @@ def _put(out: DeepSpeedSettings, block: Mapping[str, Any], prefix: str, key: str
 def _map(raw: Mapping[str, Any], out: DeepSpeedSettings) -> None:
     _put(out, raw, "", "train_batch_size", "training.global_batch_size", _int)
     _put(out, raw, "", "train_micro_batch_size_per_gpu", "training.micro_batch_size", _int)
+    if "training.global_batch_size" in out.values and raw.get("train_micro_batch_size_per_gpu") is None:
+        out.implied["training.micro_batch_size"] = None  # DeepSpeed derives it: global / (accumulation x dp)
     _put(out, raw, "", "gradient_accumulation_steps", "training.gradient_accumulation_steps", _int)
     _put(out, raw, "", "gradient_clipping", "optimizer.clip_grad", _float)
     _put(out, raw, "", "steps_per_print", "logging.log_interval", _int)
@@ -420,8 +457,11 @@ def _map_scheduler(sched: Mapping[str, Any] | None, out: DeepSpeedSettings) -> N
                 out.implied["optimizer.lr"] = peak
     for setting, value in implied.items():
         out.implied.setdefault(setting, value)
-    for setting in out.values:
-        out.implied.pop(setting, None)
+    auto = {"warmup_num_steps": "scheduler.warmup_steps", "warmup_type": "scheduler.warmup_type",
+            "warmup_min_lr": "scheduler.warmup_min_lr", "warmup_max_lr": "optimizer.lr",
+            "warmup_min_ratio": "scheduler.warmup_min_ratio", "cos_min_ratio": "scheduler.min_ratio"}
+    for setting in [*out.values, *(auto[k] for k, v in params.items() if v == _AUTO and k in auto)]:
+        out.implied.pop(setting, None)  # stated, or "auto": the flag or megazero's default, not DeepSpeed's
 
 
 def _map_precision(raw: Mapping[str, Any], out: DeepSpeedSettings) -> None:

@@ -192,14 +192,27 @@ def test_deepspeed_ignored_keys_warn(tmp_path: Path) -> None:
     ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, "zero_optimization.offload_optimizer.device"),
 ])
 def test_deepspeed_not_supported_yet(tmp_path: Path, ds: dict[str, Any], key: str) -> None:
-    with pytest.raises(ConfigError, match=rf"`{key}`.*recognised but not supported yet by megazero"):
+    with pytest.raises(ConfigError, match=rf"`{key}`.*recognised but not supported yet by megazero; ") as err:
         ds_args(tmp_path, ds)
+    assert any(w in str(err.value) for w in ("use ", "remove ")), err.value  # and what to do instead
+
+
+def test_deepspeed_alternatives_name_what_to_use(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r'`zero_optimization\.cpu_offload`.*use "offload_optimizer"'):
+        ds_args(tmp_path, {"zero_optimization": {"stage": 2, "cpu_offload": True}})
+    with pytest.raises(ConfigError, match=r"`pipeline`.*use --pp N"):
+        ds_args(tmp_path, {"pipeline": {"stages": 2}})
 
 
 def test_deepspeed_unknown_keys(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"unknown DeepSpeed config key `train_batch_sise`; did you mean "
-                                          r"`train_batch_size`"):
-        ds_args(tmp_path, {"train_batch_sise": 8})
+    # top level: DeepSpeed ignores what it does not read, so megazero does, with one warning naming them all
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        cfg = ds_args(tmp_path, {"train_batch_sise": 8, "_comment": "x", "train_micro_batch_size_per_gpu": 2})
+    assert cfg.training.micro_batch_size == 2 and cfg.training.global_batch_size is None
+    [w] = [r for r in record if issubclass(r.category, ConfigWarning)]
+    assert "`train_batch_sise` (did you mean `train_batch_size`?)" in str(w.message) and "`_comment`" in str(w.message)
+    # inside a block DeepSpeed's pydantic models refuse unknown keys: so does megazero
     with pytest.raises(ConfigError, match=r"`zero_optimization\.stag`; did you mean `zero_optimization\.stage`"):
         ds_args(tmp_path, {"zero_optimization": {"stag": 2}})
     with pytest.raises(ConfigError, match=r"`zero_optimization\.offload_param\.frobnicate`"):
@@ -304,8 +317,6 @@ def test_resolve_batch_size_mismatch_from_deepspeed_file(tmp_path: Path) -> None
 @pytest.mark.parametrize("argv, message", [
     (["--lr", "-1"], "--lr must be non-negative"),
     (["--lr", "1e-4", "--min-lr", "1e-3"], "--min-lr 0.001 exceeds --lr 0.0001"),
-    (["--warmup-steps", "500", "--train-steps", "100"], "--warmup-steps .* 500 exceeds --train-steps 100"),
-    (["--lr-decay-steps", "5", "--warmup-steps", "10"], "--lr-decay-steps .* 5 is before the end of the warm-up"),
     (["--micro-batch-size", "0"], "--micro-batch-size .* must be a positive integer"),
     (["--dropout", "1.5"], r"--dropout must be in \[0, 1\)"),
     (["--save-interval", "10"], "--save-interval needs --save"),
@@ -317,6 +328,18 @@ def test_resolve_batch_size_mismatch_from_deepspeed_file(tmp_path: Path) -> None
 def test_resolve_rejects_bad_values(argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_args(argv).resolve(1)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--warmup-steps", "500", "--train-steps", "100"], "--warmup-steps .* 500 exceeds --train-steps 100"),
+    (["--lr-decay-steps", "5", "--warmup-steps", "10"], "--lr-decay-steps .* 5 is before the end of the warm-up"),
+])
+def test_resolve_warns_about_a_warmup_longer_than_the_run(argv: list[str], message: str) -> None:
+    """DeepSpeed trains a short trial of a long recipe (warm-up beyond the run): megazero warns and trains."""
+    with pytest.warns(ConfigWarning, match=message):
+        cfg = parse_args(argv).resolve(1)
+    lrs = [lr_at(i, cfg.scheduler, cfg.optimizer.lr, cfg.training.train_steps) for i in range(12)]
+    assert all(0 <= lr <= cfg.optimizer.lr for lr in lrs) and lrs[0] < lrs[4]
 
 
 def test_resolve_checks_fp16_loss_scale_before_refusing_fp16(tmp_path: Path) -> None:
