@@ -166,7 +166,7 @@ def _agree(ctx: ParallelContext, error: BaseException | None) -> None:
         if error is not None:
             raise CheckpointError(_describe(error)) from error
         return
-    first = torch.tensor([ctx.rank if error is not None else world.size], dtype=torch.int64)
+    first = torch.tensor([ctx.rank if error is not None else world.size], dtype=torch.int64, device=world.device)
     world.all_reduce(first, op="min", tag="checkpoint")
     src = int(first.item())
     if src == world.size:
@@ -175,6 +175,7 @@ def _agree(ctx: ParallelContext, error: BaseException | None) -> None:
     if ctx.rank == src:
         data = _describe(error).encode()[:_MSG_BYTES]
         buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    buf = buf.to(world.device)
     world.broadcast(buf, src=src, tag="checkpoint")
     msg = bytes(buf.tolist()).rstrip(b"\0").decode(errors="replace")
     raise CheckpointError(f"{msg} (rank {src})") from error
@@ -457,7 +458,7 @@ def load_checkpoint(engine: Engine, sampler: DistributedBatchSampler | None, pat
     except Exception as e:  # noqa: BLE001
         error, step_dir = e, None
     _agree(ctx, error)
-    found = torch.tensor([int(step_dir is not None)], dtype=torch.int64)
+    found = torch.tensor([int(step_dir is not None)], dtype=torch.int64, device=ctx.world_group.device)
     ctx.world_group.all_reduce(found, tag="checkpoint")
     if 0 < found.item() < ctx.world_size:
         raise CheckpointError(f"ranks disagree on whether {path} holds a checkpoint; it must be on a shared filesystem")

@@ -28,6 +28,7 @@ __all__ = [
     "CommLedger",
     "DistEnv",
     "Group",
+    "backend_device",
     "destroy_distributed",
     "detect_env",
     "init_distributed",
@@ -79,9 +80,14 @@ class CommLedger:
 class Group:
     """One process group plus the ledger that counts its traffic.
 
-    ``Group`` is what leaf code receives: it knows its ``size`` and this process's ``rank`` in it and offers the
-    handful of collectives megazero needs. A group of size 1 short-circuits every collective (no call, no
-    ledger entry), so single-process runs pay nothing.
+    ``Group`` is what leaf code receives: it knows its ``size``, this process's ``rank`` in it and the
+    ``device`` its backend works on, and offers the handful of collectives megazero needs. A group of size 1
+    short-circuits every collective (no call, no ledger entry), so single-process runs pay nothing.
+
+    Device discipline: NCCL serves CUDA tensors only, gloo forgives anything. Every call checks, at every
+    group size including 1 (before the short-circuit), that each tensor it is handed lives on ``device``, and
+    raises naming the call, its tag and both devices, so a one-GPU run catches what a multi-GPU run would hit.
+    ``device`` defaults to the current CUDA device under NCCL and the CPU otherwise.
     """
 
     def __init__(
@@ -90,6 +96,7 @@ class Group:
         ranks: list[int],
         process_group: dist.ProcessGroup | None,
         ledger: CommLedger | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         self.name = name
         self.ranks = list(ranks)
@@ -98,16 +105,28 @@ class Group:
         self.size = len(self.ranks)
         global_rank = dist.get_rank() if dist.is_initialized() else self.ranks[0]
         self.rank = self.ranks.index(global_rank) if global_rank in self.ranks else -1
+        self.device = _normalise_device(device if device is not None else backend_device())
+        self.p2p_log: list | None = None  # when a list: every batched p2p call is appended (p2p_replay)
 
     def __repr__(self) -> str:
-        return f"Group({self.name!r}, ranks={self.ranks}, rank={self.rank})"
+        return f"Group({self.name!r}, ranks={self.ranks}, rank={self.rank}, device={self.device})"
 
     def global_rank(self, group_rank: int) -> int:
         return self.ranks[group_rank]
 
+    def check_device(self, call: str, tag: str, *tensors: torch.Tensor) -> None:
+        """Raise if a tensor handed to ``call`` does not live on this group's device."""
+        for t in tensors:
+            if t.device != self.device:
+                raise RuntimeError(
+                    f"{call} on the {self.name!r} group (tag {tag!r}) was handed a tensor on {t.device}, but the "
+                    f"group's backend works on {self.device}: create the tensor on the group's device "
+                    f"(group.device) or move it there with .to(group.device)")
+
     # -- collectives -------------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", tag: str = "other", async_op: bool = False):
         """In-place all-reduce; counts 2n."""
+        self.check_device("all_reduce", tag, tensor)
         if self.size == 1:
             return _Done() if async_op else None
         self.ledger.record(self.name, "all_reduce", tag, 2 * tensor.numel())
@@ -117,6 +136,7 @@ class Group:
         self, output: torch.Tensor, input: torch.Tensor, tag: str = "other", async_op: bool = False
     ):
         """Gather equal shards ``input`` of every rank into the flat ``output`` (rank order); counts the output n."""
+        self.check_device("all_gather_into", tag, output, input)
         if self.size == 1:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input.view_as(output))
@@ -134,6 +154,7 @@ class Group:
         async_op: bool = False,
     ):
         """Reduce the flat ``input`` over ranks and leave shard ``rank`` in ``output``; counts the input n."""
+        self.check_device("reduce_scatter", tag, output, input)
         if self.size == 1:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input.view_as(output))
@@ -144,6 +165,7 @@ class Group:
 
     def all_gather_list(self, tensor: torch.Tensor, tag: str = "other") -> list[torch.Tensor]:
         """All-gather into a list of tensors (for small, possibly unequal payloads); counts the output n."""
+        self.check_device("all_gather_list", tag, tensor)
         if self.size == 1:
             return [tensor]
         outs = [torch.empty_like(tensor) for _ in range(self.size)]
@@ -153,25 +175,80 @@ class Group:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, tag: str = "other") -> None:
         """Broadcast from group rank ``src``; counts n."""
+        self.check_device("broadcast", tag, tensor)
         if self.size == 1:
             return
         self.ledger.record(self.name, "broadcast", tag, tensor.numel())
         dist.broadcast(tensor, src=self.ranks[src], group=self.process_group)
 
+    def batch_p2p(self, ops: list[P2P], tag: str = "act") -> list:
+        """Issue point-to-point operations as ONE batched call (one NCCL group) and return their work handles.
+
+        ``ops`` are ``(kind, tensor, peer, msg_tag)`` with ``kind`` "send" or "recv" and ``peer`` a group
+        rank. NCCL matches the k-th send from A to B with the k-th receive at B from A and ignores
+        ``msg_tag``; gloo matches by ``msg_tag``. Sends count n each in the ledger.
+        """
+        for kind, tensor, _peer, _msg_tag in ops:
+            self.check_device(kind, tag, tensor)
+        if not ops:
+            return []
+        if self.p2p_log is not None:
+            from megazero.pipeline.p2p_replay import P2PCall
+
+            self.p2p_log.append([P2PCall(kind, self.ranks[peer], t.numel() * t.element_size(), msg_tag)
+                                 for kind, t, peer, msg_tag in ops])
+        if self.size == 1:
+            raise RuntimeError(f"point-to-point {ops[0][0]} on the {self.name!r} group of size 1 has no peer")
+        p2p_ops = []
+        for kind, tensor, peer, msg_tag in ops:
+            if kind == "send":
+                self.ledger.record(self.name, "send", tag, tensor.numel())
+            p2p_ops.append(self._p2p_op(kind, tensor, peer, msg_tag))
+        return dist.batch_isend_irecv(p2p_ops)
+
+    def _p2p_op(self, kind: str, tensor: torch.Tensor, peer: int, msg_tag: int) -> dist.P2POp:
+        fn = {"send": dist.isend, "recv": dist.irecv}[kind]
+        return dist.P2POp(fn, tensor, self.ranks[peer], self.process_group, msg_tag)
+
     def isend(self, tensor: torch.Tensor, dst: int, msg_tag: int = 0, tag: str = "act"):
         """Non-blocking send to group rank ``dst``; returns the work handle. Counts n (sends only)."""
-        self.ledger.record(self.name, "send", tag, tensor.numel())
-        op = dist.P2POp(dist.isend, tensor, self.ranks[dst], self.process_group, msg_tag)
-        return dist.batch_isend_irecv([op])[0]
+        return self.batch_p2p([("send", tensor, dst, msg_tag)], tag=tag)[0]
 
-    def recv(self, tensor: torch.Tensor, src: int, msg_tag: int = 0) -> None:
+    def recv(self, tensor: torch.Tensor, src: int, msg_tag: int = 0, tag: str = "act") -> None:
         """Blocking receive from group rank ``src`` into ``tensor``."""
-        op = dist.P2POp(dist.irecv, tensor, self.ranks[src], self.process_group, msg_tag)
-        dist.batch_isend_irecv([op])[0].wait()
+        self.batch_p2p([("recv", tensor, src, msg_tag)], tag=tag)[0].wait()
+
+    def warm_up(self) -> None:
+        """Initialise the communicator eagerly with a one-element all-reduce (not counted in the ledger).
+
+        NCCL creates a communicator on its first call; when that call is a batched point-to-point operation,
+        every rank of the group must take part in it. Warming up at construction lifts that constraint."""
+        if self.size > 1:
+            dist.all_reduce(torch.zeros(1, device=self.device), group=self.process_group)
 
     def barrier(self) -> None:
         if self.size > 1:
             dist.barrier(group=self.process_group)
+
+
+# (kind "send" | "recv", tensor, peer group rank, message tag)
+P2P = tuple[str, torch.Tensor, int, int]
+
+
+def backend_device(process_group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device a group's collectives work on: the current CUDA device under NCCL, the CPU otherwise."""
+    if dist.is_initialized():
+        backend = str(dist.get_backend(process_group) if process_group is not None else dist.get_backend())
+        if "nccl" in backend.lower() and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _normalise_device(device: torch.device | str) -> torch.device:
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return d
 
 
 class _Done:

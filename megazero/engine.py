@@ -29,7 +29,7 @@ from megazero.parallel_context import ParallelContext
 from megazero.pipeline.executor import PipelineExecutor
 from megazero.pipeline.p2p import PipelineP2P
 from megazero.pipeline.partition import stage_specs
-from megazero.pipeline.schedules import build_schedule
+from megazero.pipeline.schedules import build_schedule, transfer_units
 from megazero.tensor_parallel import IGNORE_INDEX
 from megazero.tensor_parallel.layers import VOCAB_PAD_MULTIPLE, pad_size
 from megazero.tensor_parallel.random import RNGTracker
@@ -108,7 +108,7 @@ class Engine:
 
         Counted where the targets live (no host read), summed over DP ranks on the device."""
         local = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches)
-        n = torch.as_tensor(local, dtype=torch.float64).reshape(1).to(self.device, non_blocking=True)
+        n = torch.as_tensor(local, dtype=torch.float64).reshape(1).to(self.ctx.dp_group.device, non_blocking=True)
         self.ctx.dp_group.all_reduce(n, tag="loss")
         return n[0]
 
@@ -129,18 +129,20 @@ class Engine:
         """
         if self.ctx.pp_size == 1:
             return 0.0
-        rel = torch.zeros(1, dtype=torch.float64)
+        world = self.ctx.world_group
+        rel = torch.zeros(1, dtype=torch.float64, device=world.device)
         with self.optimizer.gathered_parameters():
             for w in self.tied:
                 first, last = self.ctx.embedding_group.all_gather_list(w.detach().double().contiguous())
-                rel[0] = max(rel[0].item(), ((last - first).norm() / first.norm().clamp_min(1e-30)).item())
-        self.ctx.world_group.all_reduce(rel, op="max")
-        if rel.item() > rtol:
+                rel = torch.maximum(rel, (last - first).norm() / first.norm().clamp_min(1e-30))
+        world.all_reduce(rel, op="max")
+        value = rel.item()
+        if value > rtol:
             raise RuntimeError(
                 f"the tied word embedding differs between the first and last pipeline stage (relative difference"
-                f" {rel.item():.3e} > {rtol:g}): its two copies must receive the same summed gradient and update;"
+                f" {value:.3e} > {rtol:g}): its two copies must receive the same summed gradient and update;"
                 " a checkpoint or custom code changed one copy only")
-        return rel.item()
+        return value
 
     def train_step(self, micro_batches: list[MicroBatch]) -> StepResult:
         """One optimizer step over this DP rank's micro-batches of the global batch."""
@@ -149,9 +151,9 @@ class Engine:
         opt = self.optimizer
         opt.zero_grad()
         tokens = self._global_tokens(micro_batches)
-        actions = build_schedule(self.schedule, self.ctx.pp_size, self.ctx.pp_rank, len(micro_batches),
-                                 self.virtual_stages)
-        stats = self.executor.run(actions, micro_batches, tokens, opt.backward)
+        sched = (self.schedule, self.ctx.pp_size, self.ctx.pp_rank, len(micro_batches), self.virtual_stages)
+        stats = self.executor.run(build_schedule(*sched), micro_batches, tokens, opt.backward,
+                                  units=transfer_units(*sched))
         self.activation_peak_bytes = max(self.activation_peak_bytes, stats.peak_activation_bytes)
         loss_t = self._global_loss(stats.loss_sum, tokens)
         sq_norm_t = opt.prepare_step()
@@ -173,7 +175,8 @@ class Engine:
         for chunk in self.chunks:
             chunk.eval()
         tokens = self._global_tokens(micro_batches)
-        actions = build_schedule("gpipe", self.ctx.pp_size, self.ctx.pp_rank, len(micro_batches),
+        # the training schedule's forwards in its order: every chunk's actions, transfers paired alike
+        actions = build_schedule(self.schedule, self.ctx.pp_size, self.ctx.pp_rank, len(micro_batches),
                                  self.virtual_stages)
         with self.optimizer.gathered_parameters():
             stats = self.executor.run(actions, micro_batches, tokens, backward=None)

@@ -18,9 +18,10 @@ from __future__ import annotations
 import datetime
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
-from megazero.distributed import CommLedger, Group
+from megazero.distributed import CommLedger, Group, backend_device
 
 __all__ = ["ParallelContext", "RankGrid", "TopologyError"]
 
@@ -131,8 +132,12 @@ class ParallelContext:
         self.world_group = groups["world"]
 
     @classmethod
-    def from_grid(cls, grid: RankGrid, timeout_s: float | None = None) -> ParallelContext:
+    def from_grid(cls, grid: RankGrid, timeout_s: float | None = None,
+                  device: torch.device | str | None = None) -> ParallelContext:
         """Create every group of the grid (a collective call) and keep this rank's.
+
+        ``device`` is where every group's collectives work (:class:`~megazero.distributed.Group` checks each
+        tensor against it): by default the current CUDA device under NCCL and the CPU under gloo.
 
         ``timeout_s`` bounds every collective of every group (``--dist-timeout``); without it the subgroups
         would fall back to the backend's default (30 minutes for gloo), whatever the world group was given.
@@ -147,6 +152,7 @@ class ParallelContext:
         rank = dist.get_rank()
         timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
         ledger = CommLedger()
+        device = torch.device(device) if device is not None else backend_device()
         groups: dict[str, Group] = {}
         for kind in GROUP_KINDS:
             seen: set[tuple[int, ...]] = set()
@@ -158,8 +164,8 @@ class ParallelContext:
                 # new_group is collective over the whole world: every rank creates every group.
                 pg = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                 if rank in ranks:
-                    groups[kind] = Group(kind, ranks, pg, ledger)
-        groups["world"] = Group("world", list(range(grid.world_size)), dist.group.WORLD, ledger)
+                    groups[kind] = Group(kind, ranks, pg, ledger, device)
+        groups["world"] = Group("world", list(range(grid.world_size)), dist.group.WORLD, ledger, device)
         return cls(grid, rank, groups, ledger)
 
     # -- convenience ------------------------------------------------------------------------------------

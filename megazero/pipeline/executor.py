@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from megazero.metrics import ActivationMemoryCounter
-from megazero.pipeline.p2p import PipelineP2P
+from megazero.pipeline.p2p import PipelineP2P, action_transfers, forward_actions, transfer_plan
 from megazero.pipeline.partition import StageSpec
 from megazero.pipeline.schedules import Action
 
@@ -46,33 +46,37 @@ class PipelineExecutor:
         self.device = device
         self.counters = [ActivationMemoryCounter(c) for c in chunks]
 
-    def _next_chunk(self, chunk: int) -> int:
-        return chunk + (1 if self.pp_rank == self.pp_size - 1 else 0)
-
-    def _prev_chunk(self, chunk: int) -> int:
-        return chunk - (1 if self.pp_rank == 0 else 0)
-
     def run(self, actions: list[Action], micro_batches: list[MicroBatch], loss_divisor: torch.Tensor | float,
-            backward: BackwardFn | None) -> RunStats:
-        """Run ``actions``; ``backward`` None runs the forwards only (evaluation, no graph kept)."""
+            backward: BackwardFn | None, units: list[list[int]] | None = None) -> RunStats:
+        """Run ``actions``, communicating between the ``units`` of actions as
+        :func:`~megazero.pipeline.p2p.transfer_plan` says (default: between every two actions).
+
+        ``backward`` None runs the forwards only (evaluation, no graph kept), in the schedule's order, each
+        forward its own unit."""
         v = len(self.chunks)
+        if backward is None:
+            actions, units = forward_actions(actions), None
+        plan = transfer_plan(actions, self.pp_rank, self.pp_size, v, units=units)
         if isinstance(loss_divisor, torch.Tensor):  # the per-token loss is fp32: divide in fp32, on the device
             loss_divisor = loss_divisor.to(self.device, torch.float32)
         stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor, int]] = {}
+        outbox: dict[tuple[str, int, int], torch.Tensor] = {}  # produced, sent at the next point
+        inbox: dict[tuple[str, int, int], torch.Tensor] = {}
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         live = peak = 0.0
         live_bytes = peak_bytes = 0
-        for a in actions:
-            if backward is None and a.kind == "B":
-                continue
+        for a, calls in zip(actions, plan):
+            for call in calls:
+                inbox.update(self.p2p.exchange(call, outbox))
+            recv, send = action_transfers(a, self.pp_rank, self.pp_size, v)
             spec, chunk = self.specs[a.chunk], self.chunks[a.chunk]
             if a.kind == "F":
                 x, y = micro_batches[a.micro_batch]
-                if spec.pre_process:
+                if recv is None:
                     inp = None
                     arg = x.to(self.device)
                 else:
-                    inp = self.p2p.recv_forward(a.micro_batch, a.chunk)
+                    inp = inbox.pop(recv.key)
                     inp.requires_grad_(backward is not None)
                     arg = inp
                 target = y.to(self.device) if spec.post_process else None
@@ -83,7 +87,7 @@ class PipelineExecutor:
                     loss_sum += out.detach().double().sum()
                     out = out.sum() / loss_divisor
                 else:
-                    self.p2p.send_forward(out, a.micro_batch, self._next_chunk(a.chunk))
+                    outbox[send.key] = out.detach()
                 if backward is not None:
                     stash[(a.micro_batch, a.chunk)] = (inp, out, counter.last)
                     live += 1 / v
@@ -91,13 +95,13 @@ class PipelineExecutor:
                     peak, peak_bytes = max(peak, live), max(peak_bytes, live_bytes)
             else:
                 inp, out, nbytes = stash.pop((a.micro_batch, a.chunk))
-                grad = None if spec.post_process else self.p2p.recv_backward(a.micro_batch, a.chunk)
-                backward(out, grad)
-                if not spec.pre_process:
-                    self.p2p.send_backward(inp.grad, a.micro_batch, self._prev_chunk(a.chunk))
+                backward(out, None if recv is None else inbox.pop(recv.key))
+                if send is not None:
+                    outbox[send.key] = inp.grad
                 live -= 1 / v
                 live_bytes -= nbytes
-        if self.p2p is not None:
-            self.p2p.wait_sends()
+        for call in plan[-1]:
+            self.p2p.exchange(call, outbox)
         assert not stash, f"schedule left micro-batches without backward: {sorted(stash)}"
+        assert not outbox and not inbox, f"transfers left over: {sorted(outbox)} {sorted(inbox)}"
         return RunStats(loss_sum=loss_sum, peak_in_flight=peak, peak_activation_bytes=peak_bytes)

@@ -1,23 +1,118 @@
 """Point-to-point transfer of activations (forward) and their gradients (backward) between pipeline stages.
 
+**Order that NCCL accepts.** NCCL matches the k-th send from rank A to rank B with the k-th receive at B from A
+(tags are ignored), runs a communicator's operations in issue order, and a large send does not complete before
+its receive is posted. Issuing each send and each receive as its own call deadlocks 1F1B: at pp 2, rank 0
+issues send F1 and then waits in recv B0 while rank 1 sits in send B0 before its recv F1. So the executor
+communicates only at the points *between* two actions of its timeline, and at each point does everything in
+ONE batched call (one NCCL group): the sends that the previous action produced and the receives that the
+next action needs. In 1F1B's steady state that is Megatron-LM's send_forward_recv_backward after a forward
+and send_backward_recv_forward after a backward. The interleaved schedule's ring (the last rank feeds the
+first) needs more: in its steady state a forward and the following backward form one unit, and one call
+between units sends both results and receives both inputs of the next unit (Megatron-LM's
+send_forward_backward_recv_forward_backward); per-action pairing deadlocks there at m >= 2pp. :func:`transfer_plan` computes these calls as a pure function of
+the timeline, so a test can replay every rank's plan under NCCL's rules
+(:mod:`megazero.pipeline.p2p_replay`) without starting a process; ``paired=False`` gives the old one-op-per-
+call order as a negative case.
+
 Shapes are known up front ([micro-batch, sequence or its TP shard under SP, hidden]), so a receiver allocates
-its buffer without a handshake. Sends are non-blocking (batched ``isend``); their handles are kept until
-:meth:`PipelineP2P.wait_sends`. Every message carries a tag made of its direction, micro-batch and model
-chunk, so on gloo the two streams between a pair of ranks (activations one way, gradients the other, and
-both ways at the interleaved schedule's wrap-around from the last rank to the first) never mix.
+its buffer without a handshake. Every message also carries a tag made of its direction, micro-batch and the
+receiving model chunk: gloo matches by it, and the replay uses it to check that NCCL's order-based matching
+would deliver every message where it belongs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
 from megazero.distributed import Group
+from megazero.pipeline.schedules import Action
 
-__all__ = ["PipelineP2P"]
+__all__ = ["PipelineP2P", "Transfer", "action_transfers", "forward_actions", "transfer_plan"]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One point-to-point operation of a pipeline rank."""
+
+    op: str  # "send" or "recv"
+    direction: str  # "F": an activation travelling to the next stage; "B": a gradient travelling back
+    peer: int  # pipeline-group rank of the other side
+    micro_batch: int
+    chunk: int  # the RECEIVING rank's model chunk: names the message identically on both sides
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.direction, self.micro_batch, self.chunk)
+
+
+def forward_actions(actions: Sequence[Action]) -> list[Action]:
+    """The timeline without its backwards (evaluation): the forwards keep the schedule's order."""
+    return [a for a in actions if a.kind == "F"]
+
+
+def action_transfers(a: Action, pp_rank: int, pp_size: int,
+                     virtual_stages: int) -> tuple[Transfer | None, Transfer | None]:
+    """(the receive action ``a`` needs before it runs, the send it produces) on rank ``pp_rank``."""
+    vs, last = a.chunk * pp_size + pp_rank, pp_size * virtual_stages - 1
+    nxt, prv = (pp_rank + 1) % pp_size, (pp_rank - 1) % pp_size
+    next_chunk = a.chunk + (1 if pp_rank == pp_size - 1 else 0)
+    prev_chunk = a.chunk - (1 if pp_rank == 0 else 0)
+    if a.kind == "F":
+        recv = Transfer("recv", "F", prv, a.micro_batch, a.chunk) if vs > 0 else None
+        send = Transfer("send", "F", nxt, a.micro_batch, next_chunk) if vs < last else None
+    else:
+        recv = Transfer("recv", "B", nxt, a.micro_batch, a.chunk) if vs < last else None
+        send = Transfer("send", "B", prv, a.micro_batch, prev_chunk) if vs > 0 else None
+    return recv, send
+
+
+def transfer_plan(actions: Sequence[Action], pp_rank: int, pp_size: int, virtual_stages: int = 1,
+                  units: Sequence[Sequence[int]] | None = None,
+                  paired: bool = True) -> list[list[list[Transfer]]]:
+    """The batched point-to-point calls of one rank's timeline.
+
+    ``units`` splits the action indices into consecutive runs that compute without communicating in between
+    (default: every action alone; :func:`~megazero.pipeline.schedules.transfer_units` gives the
+    interleaved schedule's steady-state forward/backward pairs). Returns ``len(actions) + 1`` slots: slot
+    ``i`` lists the calls made just before action ``i`` (the last slot: after the final action), each call a
+    list of transfers issued together. With ``paired`` (the default) there is one call before each unit: the
+    sends the previous unit produced together with the receives this unit needs. ``paired=False``
+    reproduces the old order (every send its own call right after its action, every receive its own call
+    right before), which deadlocks under NCCL; it is kept for the replay tests' negative case.
+    """
+    slots: list[list[list[Transfer]]] = [[] for _ in range(len(actions) + 1)]
+    if pp_size == 1:
+        return slots
+    io = [action_transfers(a, pp_rank, pp_size, virtual_stages) for a in actions]
+    if not paired:
+        for i, (recv, send) in enumerate(io):
+            slots[i] += [[recv]] if recv is not None else []
+            slots[i + 1] += [[send]] if send is not None else []
+        return slots
+    units = [[i] for i in range(len(actions))] if units is None else units
+    if [i for u in units for i in u] != list(range(len(actions))):
+        raise ValueError(f"transfer units {units} do not cover the {len(actions)} actions in order")
+    pending: list[Transfer] = []
+    for unit in units:
+        ops = pending + [io[i][0] for i in unit if io[i][0] is not None]
+        if ops:
+            slots[unit[0]].append(ops)
+        pending = [io[i][1] for i in unit if io[i][1] is not None]
+    if pending:
+        slots[-1].append(pending)
+    return slots
 
 
 class PipelineP2P:
-    """Sends to the next pipeline rank and receives from the previous one (and the reverse for gradients)."""
+    """Exchanges activations and gradients with the neighbouring pipeline ranks, one batched call at a time.
+
+    The pipeline group's communicator is initialised eagerly at construction (a one-element all-reduce),
+    so its first batched point-to-point call need not include every rank of the group (NCCL's rule).
+    """
 
     def __init__(self, pp_group: Group, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                  virtual_stages: int = 1) -> None:
@@ -26,36 +121,24 @@ class PipelineP2P:
         self.dtype = dtype
         self.device = device
         self.virtual_stages = virtual_stages
-        self.next = (pp_group.rank + 1) % pp_group.size
-        self.prev = (pp_group.rank - 1) % pp_group.size
-        self._pending: list[tuple[object, torch.Tensor]] = []
+        pp_group.warm_up()
 
-    def _tag(self, backward: bool, micro_batch: int, chunk: int) -> int:
-        return (micro_batch * self.virtual_stages + chunk) * 2 + int(backward)
+    def _tag(self, t: Transfer) -> int:
+        return (t.micro_batch * self.virtual_stages + t.chunk) * 2 + int(t.direction == "B")
 
-    def send_forward(self, act: torch.Tensor, micro_batch: int, dst_chunk: int) -> None:
-        """Send an activation to the next stage (its model chunk ``dst_chunk``)."""
-        t = act.detach().contiguous()
-        self._pending.append((self.group.isend(t, self.next, self._tag(False, micro_batch, dst_chunk)), t))
+    def exchange(self, call: list[Transfer], outbox: dict[tuple[str, int, int], torch.Tensor]
+                 ) -> dict[tuple[str, int, int], torch.Tensor]:
+        """Issue ``call`` as one batched operation and wait for it; returns the received tensors by message.
 
-    def recv_forward(self, micro_batch: int, chunk: int) -> torch.Tensor:
-        """Receive this chunk's input activation from the previous stage."""
-        t = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        self.group.recv(t, self.prev, self._tag(False, micro_batch, chunk))
-        return t
-
-    def send_backward(self, grad: torch.Tensor, micro_batch: int, dst_chunk: int) -> None:
-        """Send the gradient of this stage's input back to the previous stage (its chunk ``dst_chunk``)."""
-        t = grad.contiguous()
-        self._pending.append((self.group.isend(t, self.prev, self._tag(True, micro_batch, dst_chunk)), t))
-
-    def recv_backward(self, micro_batch: int, chunk: int) -> torch.Tensor:
-        """Receive the gradient of this chunk's output from the next stage."""
-        t = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        self.group.recv(t, self.next, self._tag(True, micro_batch, chunk))
-        return t
-
-    def wait_sends(self) -> None:
-        for work, _ in self._pending:
+        Each send's tensor is taken out of ``outbox`` (keyed like :attr:`Transfer.key`)."""
+        ops, received = [], {}
+        for t in call:
+            if t.op == "send":
+                ops.append(("send", outbox.pop(t.key).detach().contiguous(), t.peer, self._tag(t)))
+            else:
+                buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                received[t.key] = buf
+                ops.append(("recv", buf, t.peer, self._tag(t)))
+        for work in self.group.batch_p2p(ops, tag="act"):
             work.wait()
-        self._pending.clear()
+        return received

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["SCHEDULES", "Action", "ScheduleError", "SimResult", "build_schedule", "simulate"]
+__all__ = ["SCHEDULES", "Action", "ScheduleError", "SimResult", "build_schedule", "simulate", "transfer_units"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -60,12 +60,33 @@ def _interleaved(pp: int, rank: int, m: int, v: int) -> list[Action]:
         group, pos = divmod(k, pp * v)
         return Action("B", group * pp + pos % pp, v - 1 - pos // pp)
 
-    warmup = min((pp - rank - 1) * 2 + (v - 1) * pp, total)
+    warmup = _interleaved_warmup(pp, rank, m, v)
     out = [fwd(k) for k in range(warmup)]
     for k in range(total - warmup):
         out += [fwd(warmup + k), bwd(k)]
     out += [bwd(k) for k in range(total - warmup, total)]
     return out
+
+
+def _interleaved_warmup(pp: int, rank: int, m: int, v: int) -> int:
+    return min((pp - rank - 1) * 2 + (v - 1) * pp, m * v)
+
+
+def transfer_units(name: str, pp: int, rank: int, micro_batches: int, virtual_stages: int = 1) -> list[list[int]]:
+    """How rank ``rank``'s timeline (:func:`build_schedule`) groups into units that compute without
+    communicating in between (indices into the action list), for :func:`~megazero.pipeline.p2p.transfer_plan`.
+
+    Every action is its own unit, except in the interleaved schedule's steady state, where each forward and
+    the backward after it form one unit (Megatron-LM's interleaved communication pattern): the per-action
+    pairing deadlocks around the interleaved schedule's ring (last rank -> first) under NCCL's ordering.
+    """
+    n = len(build_schedule(name, pp, rank, micro_batches, virtual_stages))
+    if name != "interleaved" or pp == 1:
+        return [[i] for i in range(n)]
+    warmup = _interleaved_warmup(pp, rank, micro_batches, virtual_stages)
+    steady = micro_batches * virtual_stages - warmup
+    return ([[i] for i in range(warmup)] + [[warmup + 2 * k, warmup + 2 * k + 1] for k in range(steady)]
+            + [[i] for i in range(warmup + 2 * steady, n)])
 
 
 def build_schedule(name: str, pp: int, rank: int, micro_batches: int, virtual_stages: int = 1) -> list[Action]:

@@ -167,7 +167,7 @@ class ZeroOptimizer:
         for p in model.parameters():  # frozen parameters just follow the compute dtype
             if not p.requires_grad and p.is_floating_point():
                 p.data = p.data.to(self.dtype)
-        self._comm_device = self.store.segments[0].grad.device  # where gradients and norm collectives live
+        self._comm_device = dp_group.device  # where the norm collectives run (the device even under offload)
         self._grads: torch.Tensor | None = None  # this step's fp32 owned gradients, prepare_step -> finish_step
         self._init_partition()
         self.scaler = make_loss_scaler(precision, loss_scale_cfg)
@@ -376,7 +376,7 @@ class ZeroOptimizer:
             values = [self.master[a: a + s.param.numel()] for s, a in zip(self.store.segments, self._starts)]
         else:
             values = [s.param for s in self.store.segments]
-        full = self.store.consolidate(values)
+        full = self.store.consolidate([v.to(self._comm_device) for v in values])  # host master under offload
         return {n: full[p] for n, p in self.model.named_parameters() if p in full}
 
     @contextmanager
