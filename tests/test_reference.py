@@ -51,13 +51,21 @@ def test_single_process_matches_reference_with_lr_and_grad_norm(reference, data_
 
 
 def test_zero_stages_match_reference_at_dp2(reference, data_cache, tmp_path):
-    """ZeRO 1 (2 micro-batches), 2 (reduce-scatter during backward) and 3 (2 micro-batches) over dp 2."""
-    runs = [["--zero-stage", "1", "--micro-batch-size", "2", "--global-batch-size", "8"],
+    """ZeRO 0 and 1 (2 micro-batches), 2 (reduce-scatter during backward) and 3 (2 micro-batches) over dp 2:
+    losses, weights and every step's gradient norm (Adam with an active clip hides a constant gradient
+    factor, such as averaging instead of summing over DP, from the loss and weights; the norm shows it)."""
+    runs = [["--zero-stage", "0", "--micro-batch-size", "2", "--global-batch-size", "8"],
+            ["--zero-stage", "1", "--micro-batch-size", "2", "--global-batch-size", "8"],
             ["--zero-stage", "2", "--micro-batch-size", "4", "--global-batch-size", "8"],
             ["--zero-stage", "3", "--micro-batch-size", "2", "--global-batch-size", "8"]]
-    for flags, (losses, state) in zip(runs, merge_runs(run_world(train_runs, 2, runs, data_cache,
-                                                                  str(tmp_path)))):
+    runs = [[*r, "--log-interval", "1"] for r in runs]
+    ref = run_reference(data_cache)
+    merged = merge_runs(run_world(train_runs, 2, runs, data_cache, str(tmp_path)))
+    for i, (flags, (losses, state)) in enumerate(zip(runs, merged)):
         try:
             assert_matches_reference(losses, state, reference)
+            norms = [r["grad_norm"] for r in metrics(tmp_path / f"2-{i}")]
+            worst = max(abs(a - b) / b for a, b in zip(norms, ref.grad_norms))
+            assert len(norms) == 10 and worst < 1e-5, f"grad norm relative error {worst:.2e}"
         except AssertionError as e:
             raise AssertionError(f"{flags}: {e}") from None

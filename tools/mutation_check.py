@@ -1,0 +1,167 @@
+"""Mutation check: plant one known bug at a time in a copy of the repository and show a test catches it.
+
+Not part of the default ``pytest`` run. Each mutation names a file, an exact anchor text and its replacement;
+if the anchor is gone (the code moved on) the mutation is reported as STALE and the script fails, rather than
+silently testing nothing. The copy is ``git archive`` of a ref (default ``HEAD``) under a temporary
+directory: no worktree is touched. For each mutation the chosen tests run with ``PYTHONPATH`` set to the copy;
+a mutation is CAUGHT when at least one of them fails.
+
+    python tools/mutation_check.py                   # all mutations against HEAD of this checkout
+    python tools/mutation_check.py --ref main --only fp16-unscale sampler-resume
+    python tools/mutation_check.py --list
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["MUTATIONS", "Mutation", "main"]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    what: str
+    path: str
+    anchor: str
+    replacement: str
+    tests: tuple[str, ...]
+
+
+MUTATIONS = [
+    Mutation("fp16-unscale", "fp16: the update never divides by the loss scale (norm and gradients stay scaled)",
+             "megazero/zero/optimizer.py",
+             "        scale = self.scaler.scale if self.scaler is not None else 1.0\n"
+             "        if self.scaler is not None and not math.isfinite(sq):",
+             "        scale = 1.0\n"
+             "        if self.scaler is not None and not math.isfinite(sq):",
+             ("tests/test_mixed_precision.py::test_bf16_and_fp16_track_fp32_reference_and_controls_do_not",)),
+    Mutation("bf16-master-copy", "bf16: the updated fp32 master is not copied back into the bf16 parameters",
+             "megazero/zero/optimizer.py",
+             "            if self.mixed:\n                for s, a in zip(self.store.segments, self._starts):\n"
+             "                    s.param.copy_(self.master[a: a + s.param.numel()])",
+             "            if self.mixed:\n                pass",
+             ("tests/test_mixed_precision.py::test_bf16_and_fp16_track_fp32_reference_and_controls_do_not",)),
+    Mutation("dp-grad-scaling", "DP: gradients averaged instead of summed over the DP group (stages 0-1 boundary)",
+             "megazero/zero/partition.py",
+             "                works.append(self.dp_group.all_reduce(g, tag=\"grad\", async_op=True))",
+             "                g.div_(self.dp_group.size)\n"
+             "                works.append(self.dp_group.all_reduce(g, tag=\"grad\", async_op=True))",
+             ("tests/test_reference.py::test_zero_stages_match_reference_at_dp2",
+              "tests/test_training.py::test_data_parallel_matches_single_process")),
+    Mutation("tp-backward-allreduce", "TP: the all-reduce of the input gradient in a column-parallel backward is dropped",
+             "megazero/tensor_parallel/mappings.py",
+             "class _CopyToTP(torch.autograd.Function):\n    @staticmethod\n    def forward(ctx, x, group):\n"
+             "        ctx.group = group\n        return x\n\n    @staticmethod\n    def backward(ctx, g):\n"
+             "        return _all_reduce(g, ctx.group), None",
+             "class _CopyToTP(torch.autograd.Function):\n    @staticmethod\n    def forward(ctx, x, group):\n"
+             "        ctx.group = group\n        return x\n\n    @staticmethod\n    def backward(ctx, g):\n"
+             "        return g, None",
+             ("tests/test_tensor_parallel.py::test_whole_gpt_matches_single_process_at_tp_2",)),
+    Mutation("pp-grad-send", "PP: the gradient sent back to the previous stage is zeros",
+             "megazero/pipeline/p2p.py",
+             "        t = grad.contiguous()\n",
+             "        t = torch.zeros_like(grad).contiguous()\n",
+             ("tests/test_checkpointing.py::test_parity_pp2",)),
+    Mutation("offload-copy-back", "offload: the host Adam's updated chunk is not copied back to the parameters",
+             "megazero/zero/optimizer.py",
+             "                    s.param[a_lo - a: a_hi - a].copy_(self.master[a_lo:a_hi], non_blocking=True)",
+             "                    pass",
+             ("tests/test_offload.py::test_offload_matches_single_process",)),
+    Mutation("checkpoint-optimizer-reshard", "checkpoint: Adam moments are read from offset 0 of the saved "
+             "parameter instead of this rank's run (master values still right)",
+             "megazero/checkpoint.py",
+             "ctx.tp_size, offset, n, k)",
+             "ctx.tp_size, offset if k == \"master\" else 0, n, k)",
+             ("tests/test_checkpoint.py::test_reshard_on_load_continues_the_uninterrupted_run",)),
+    Mutation("sampler-resume", "sampler: a resumed run restarts one global batch early",
+             "megazero/data/sampler.py",
+             "        self.consumed_samples = consumed\n",
+             "        self.consumed_samples = max(0, consumed - self.global_batch_size)\n",
+             ("tests/test_data.py::test_sampler_resume_from_state_dict",
+              "tests/test_checkpoint.py::test_reshard_on_load_continues_the_uninterrupted_run")),
+    Mutation("overflow-agreement", "fp16: the squared norm (overflow flag) is not summed over the model-parallel "
+             "group, so a TP/PP peer's overflow is missed",
+             "megazero/zero/optimizer.py",
+             "            self.norm_group.all_reduce(sq, tag=\"norm\")",
+             "            pass",
+             ("tests/test_mixed_precision.py::test_fp16_overflow_on_one_rank_skips_on_every_rank_at_tp2_and_pp2",)),
+]
+
+
+def _export(ref: str, dest: Path) -> None:
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+
+
+def _run_tests(copy: Path, tests: tuple[str, ...], timeout: float) -> tuple[int, list[str], float]:
+    env = {**os.environ, "PYTHONPATH": str(copy), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "pytest", *tests, "-q", "-p", "no:cacheprovider", "-rf", "--no-header"]
+    start = time.monotonic()
+    r = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
+    failed = sorted(set(re.findall(r"^FAILED (\S+)", r.stdout, re.M)))
+    return r.returncode, failed, time.monotonic() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ref", default="HEAD", help="git ref of this repository to mutate (default HEAD)")
+    ap.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutations")
+    ap.add_argument("--baseline", action="store_true", help="first run each mutation's tests unmutated")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per pytest run")
+    ap.add_argument("--list", action="store_true", help="list the mutations and exit")
+    args = ap.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}: {m.what}\n    {m.path}; tests: {', '.join(m.tests)}")
+        return 0
+    unknown = set(args.only or ()) - {m.name for m in MUTATIONS}
+    if unknown:
+        ap.error(f"unknown mutation(s) {sorted(unknown)}; see --list")
+    results = []
+    with tempfile.TemporaryDirectory(prefix="megazero-mutation-") as tmp:
+        copy = Path(tmp)
+        _export(args.ref, copy)
+        for m in chosen:
+            target = copy / m.path
+            original = target.read_text()
+            count = original.count(m.anchor)
+            if count != 1:
+                results.append((m, "STALE", [f"anchor found {count} times in {m.path}"], 0.0))
+                print(f"[{m.name}] STALE: anchor found {count} times in {m.path}", flush=True)
+                continue
+            if args.baseline:
+                rc, failed, secs = _run_tests(copy, m.tests, args.timeout)
+                if rc != 0:
+                    results.append((m, "BASELINE-FAILS", failed, secs))
+                    print(f"[{m.name}] tests fail without the mutation: {failed}", flush=True)
+                    continue
+            target.write_text(original.replace(m.anchor, m.replacement))
+            try:
+                rc, failed, secs = _run_tests(copy, m.tests, args.timeout)
+            except subprocess.TimeoutExpired:
+                rc, failed, secs = 1, ["(timed out)"], args.timeout
+            finally:
+                target.write_text(original)
+            status = "CAUGHT" if rc != 0 else "MISSED"
+            results.append((m, status, failed, secs))
+            print(f"[{m.name}] {status} in {secs:.0f}s: {', '.join(failed) or '(no test failed)'}", flush=True)
+    print("\n| mutation | planted bug | result | failing tests |\n|---|---|---|---|")
+    for m, status, failed, _ in results:
+        print(f"| {m.name} | {m.what} (`{m.path}`) | {status} | {'<br>'.join(failed)} |")
+    return 0 if all(s == "CAUGHT" for _, s, _, _ in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
