@@ -22,7 +22,9 @@ def data_cache(tmp_path_factory) -> str:
 def subprocess_env(data_cache) -> dict[str, str]:
     """Environment for launching pretrain/gpt.py in tests: shared cache, W&B off, one thread per rank."""
     env = dict(os.environ)
-    env.update(MEGAZERO_CACHE=data_cache, WANDB_MODE="disabled", OMP_NUM_THREADS="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout under test comes first
+    env.update(MEGAZERO_CACHE=data_cache, WANDB_MODE="disabled", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(x for x in (root, env.get("PYTHONPATH")) if x))
     return env
 
 

@@ -39,10 +39,10 @@ def _rank_main(rank: int, world_size: int, port: int, grid_kwargs: dict, dist_ti
         from megazero.parallel_context import ParallelContext, RankGrid
 
         torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=dist_timeout),
-        )
+        timeout = datetime.timedelta(seconds=dist_timeout)
+        # the parent's store listens on ``port`` for the whole life of the world: nobody else can take it
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         ctx = ParallelContext.from_grid(RankGrid.from_world(world_size, **grid_kwargs), timeout_s=dist_timeout)
         out = fn(ctx, *args, **kwargs)
         # pickle by value: multiprocessing would share tensors through file descriptors of a dying process
@@ -61,11 +61,16 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, tp: int = 1, 
               dp: int | None = None, timeout: float = 180.0, dist_timeout: float = 60.0,
               **kwargs: Any) -> list[Any]:
     """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` forked gloo ranks; return results by rank."""
-    from megazero.distributed import free_port
+    import datetime
+
+    from torch.distributed import TCPStore
 
     ctx_mp = mp.get_context("fork")
     results: mp.Queue = ctx_mp.Queue()
-    port = free_port()
+    # a store on a port the OS picks, held (listening) by this process until the world is over: no race
+    store = TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
+                     timeout=datetime.timedelta(seconds=dist_timeout))
+    port = store.port
     grid_kwargs = {"tp_size": tp, "pp_size": pp, "dp_size": dp}
     procs = [
         ctx_mp.Process(target=_rank_main, args=(r, world_size, port, grid_kwargs, dist_timeout, fn, args, kwargs,
@@ -108,4 +113,5 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, tp: int = 1, 
                 p.kill()
         for p in procs:
             p.join(timeout=5)
+        del store
     return [out[r] for r in range(world_size)]

@@ -17,6 +17,7 @@ import torch
 from megazero.checkpoint import FAULT_ENV, CheckpointReader, find_checkpoint, list_checkpoints
 from megazero.cli import parse_args
 from megazero.trainer import run_training
+from tests import launch
 from tests.common import SMALL_FLAGS, assert_matches_reference, merge_runs, train_runs
 from tests.dist import WorldError, run_world
 
@@ -29,8 +30,7 @@ DP2 = ["--zero-stage", "2", "--micro-batch-size", "2", "--global-batch-size", "8
 
 
 def _python(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    return launch.run([sys.executable, *args], env, timeout)
 
 
 def _records(log_dir: Path) -> list[dict]:
@@ -206,15 +206,15 @@ def test_kill_between_shards_and_manifest_keeps_the_previous_checkpoint(data_cac
 def test_a_killed_or_hung_rank_makes_the_job_exit_within_the_timeout(fault, subprocess_env, tmp_path):
     """Two ranks launched by hand (no torchrun agent to clean up, as under srun): rank 1 is SIGKILLed (or
     SIGSTOPped: hung, its sockets open) after step 2; rank 0 must fail and exit within --dist-timeout."""
-    from megazero.distributed import free_port
-
     timeout = 5
-    env = {**subprocess_env, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+    store, rendezvous = launch.held_store()  # held here while the ranks run: no port race
+    env = {**subprocess_env, **rendezvous, "WORLD_SIZE": "2",
            FAULT_ENV: "step:1:2" + (":stop" if fault == "stop" else "")}
     args = [str(ROOT / "pretrain" / "gpt.py"), *SMALL_FLAGS, "--dp", "2", "--micro-batch-size", "4",
             "--dist-timeout", str(timeout), "--log-dir", str(tmp_path)]
     procs = [subprocess.Popen([sys.executable, *args], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for r in range(2)]
     try:
         if fault == "kill":
             assert procs[1].wait(timeout=120) == -9
@@ -225,32 +225,29 @@ def test_a_killed_or_hung_rank_makes_the_job_exit_within_the_timeout(fault, subp
                 time.sleep(0.05)
         died = time.monotonic()
         try:
-            code = procs[0].wait(timeout=timeout + 10)
+            code = procs[0].wait(timeout=3 * timeout)
         except subprocess.TimeoutExpired:
             code = None
         waited = time.monotonic() - died
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+            launch.kill_group(p)
+            p.wait()
     out = procs[0].stdout.read()
     assert code == 1 and "training failed" in out, out[-3000:]
-    assert waited < timeout + 10, f"rank 0 needed {waited:.1f}s after its peer {'died' if fault == 'kill' else 'hung'}"
+    # no lower bound on wall time (shared machines); an upper bound of 3x the timeout it checks
+    assert waited < 3 * timeout, f"rank 0 needed {waited:.1f}s after its peer {'died' if fault == 'kill' else 'hung'}"
     if fault == "stop":
-        assert waited > timeout - 1 and "timed out" in out.lower(), out[-3000:]  # the collective timeout ended it
+        assert "timed out" in out.lower(), out[-3000:]  # the collective timeout ended it
 
 
 def test_torchrun_restart_resumes_from_latest(subprocess_env, tmp_path):
     """torchrun --max-restarts 1 with --load auto: rank 1 dies at step 4 (after the step-2 checkpoint); the
     restarted job resumes from step 2 and logs step 3 again with the same loss, bit for bit."""
-    from megazero.distributed import free_port
-
     env = {**subprocess_env, FAULT_ENV: "step:1:4"}
-    r = _python(["-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1", "--master-port",
-                 str(free_port()), str(ROOT / "pretrain" / "gpt.py"), *SMALL_FLAGS, "--dp", "2",
-                 "--micro-batch-size", "4", "--train-steps", "5", "--save", str(tmp_path / "ck"), "--save-interval",
-                 "2", "--load", "auto", "--log-interval", "1", "--log-dir", str(tmp_path)], env)
+    r = launch.torchrun(2, [*SMALL_FLAGS, "--dp", "2", "--micro-batch-size", "4", "--train-steps", "5", "--save",
+                            str(tmp_path / "ck"), "--save-interval", "2", "--load", "auto", "--log-interval", "1",
+                            "--log-dir", str(tmp_path)], env, 300, launcher_args=("--max-restarts", "1"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "loaded checkpoint" in r.stdout and "step 2," in r.stdout
     records = _records(tmp_path)

@@ -6,8 +6,6 @@ Skipped cleanly on machines without a GPU (the CPU suite covers the same logic o
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,14 +19,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_nccl_world_of_one_trains_in_bf16_and_reports_cuda_memory(stage, subprocess_env, tmp_path):
-    from megazero.distributed import free_port
+    from tests import launch
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
-           str(free_port()), str(ROOT / "pretrain" / "gpt.py"), "--backend", "nccl", "--precision", "bf16",
+    cmd = ["--backend", "nccl", "--precision", "bf16",
            "--zero-stage", str(stage), "--train-steps", "20", "--log-interval", "10", "--eval-interval", "0",
            "--num-layers", "2", "--hidden-size", "64", "--num-heads", "4", "--seq-len", "32", "--vocab-size", "512",
            "--log-dir", str(tmp_path)]
-    r = subprocess.run(cmd, env=subprocess_env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = launch.torchrun(1, cmd, subprocess_env, 600)
     assert r.returncode == 0, r.stdout + r.stderr
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["loss"] < records[0]["loss"]

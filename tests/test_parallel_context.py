@@ -126,4 +126,6 @@ def _peer_goes_missing(ctx):
 def test_collective_timeout_turns_a_missing_peer_into_an_error():
     res = run_world(_peer_goes_missing, 2, dist_timeout=2, timeout=60)
     status, seconds, _ = res[0]
-    assert status == "error" and 1.5 < seconds < 6.5, res[0]
+    # an error, not a completion once the peer wakes at 7 s; no lower bound on wall time (shared machines),
+    # an upper bound of 3x the 2 s timeout it checks
+    assert status == "error" and seconds < 3 * 2, res[0]

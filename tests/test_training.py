@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import launch
 from tests.common import SMALL_FLAGS, assert_matches_reference, train_runs
 from tests.dist import run_world
 
@@ -26,16 +27,9 @@ def test_data_parallel_matches_single_process(reference, data_cache, tmp_path):
 
 
 def _launch(args: list[str], env: dict[str, str], nproc: int | None = None, timeout: float = 300):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(_port())] if nproc else [sys.executable]
-    return subprocess.run([*cmd, str(ROOT / "pretrain" / "gpt.py"), *args], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def _port() -> int:
-    from megazero.distributed import free_port
-
-    return free_port()
+    if nproc:
+        return launch.torchrun(nproc, args, env, timeout)
+    return launch.run([sys.executable, str(ROOT / "pretrain" / "gpt.py"), *args], env, timeout)
 
 
 def test_torchrun_dp2_writes_metrics_with_every_key(subprocess_env, tmp_path):

@@ -8,21 +8,19 @@ reference (plain ``torch.optim.AdamW`` + ``clip_grad_norm_`` on the whole global
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from megazero.config import LossScaleConfig, ModelConfig, OptimizerConfig, ZeroConfig
-from megazero.distributed import Group, free_port
+from megazero.distributed import Group
 from megazero.model.gpt import GPT, full_state_dict, init_parameters
 from megazero.zero import ZeroOptimizer, grad_norm_weights
 from megazero.zero.stage3 import GatherOrderError
+from tests import launch
 from tests.dist import run_world
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, num_heads=2, seq_len=16, vocab_size=96)  # ~30K parameters
@@ -390,19 +388,17 @@ def test_torchrun_memory_per_rank_falls_with_stage(subprocess_env, tmp_path) -> 
     """Issue 3, must-show 5: ``torchrun --nproc-per-node 4 pretrain/gpt.py --dp 4 --zero-stage S`` in bf16 runs
     for S = 0..3 and metrics.jsonl shows every rank's model-state bytes at the ZeRO formula (persistence 0)
     and the DP volume at 2Ψ / 3Ψ."""
-    root = Path(__file__).resolve().parents[1]
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}}))
     psi = ModelConfig(num_layers=4, hidden_size=128, num_heads=4, seq_len=128, vocab_size=512).num_parameters()
     formula = {0: 16 * psi, 1: 4 * psi + 12 * psi / 4, 2: 2 * psi + 14 * psi / 4, 3: 16 * psi / 4}
     for stage in range(4):
         log_dir = tmp_path / f"s{stage}"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
-               str(free_port()), str(root / "pretrain" / "gpt.py"), "--dp", "4", "--zero-stage", str(stage),
+        cmd = ["--dp", "4", "--zero-stage", str(stage),
                "--precision", "bf16", "--vocab-size", "512", "--train-steps", "3", "--micro-batch-size", "2",
                "--log-interval", "1", "--eval-interval", "0", "--no-progress", "--deepspeed-config", str(ds),
                "--log-dir", str(log_dir)]
-        r = subprocess.run(cmd, env=subprocess_env, cwd=root, capture_output=True, text=True, timeout=300)
+        r = launch.torchrun(4, cmd, subprocess_env, 300)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         last = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()][-1]
         assert len(last["memory"]) == 4
