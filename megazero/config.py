@@ -117,6 +117,7 @@ class ZeroConfig:
     stage3_prefetch_bucket_size: int = 50_000_000
     stage3_param_persistence_threshold: int = 100_000
     stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000  # keep a recomputed block gathered for its backward
     offload_optimizer: str | None = None  # "cpu": master weights and Adam moments in host memory
     offload_param: str | None = None  # "cpu": ZeRO-3 parameter shards in host memory
     offload_optimizer_pin_memory: bool = False  # zero_optimization.offload_optimizer.pin_memory
@@ -400,6 +401,8 @@ def resolve_config(cfg: Config, world_size: int) -> Config:
         _require(getattr(z, key) >= 1, f"zero_optimization.{key} must be positive, got {getattr(z, key)}")
     _require(z.stage3_param_persistence_threshold >= 0, "zero_optimization.stage3_param_persistence_threshold "
              f"must be >= 0, got {z.stage3_param_persistence_threshold}")
+    _require(z.stage3_max_reuse_distance >= 0, "zero_optimization.stage3_max_reuse_distance must be >= 0, got "
+             f"{z.stage3_max_reuse_distance}")
     for key in ("offload_optimizer", "offload_param"):
         _choice(f"zero_optimization.{key}.device", getattr(z, key), (None, "cpu"))
     _require(z.offload_param is None or z.stage == 3, "zero_optimization.offload_param needs ZeRO stage 3 "
@@ -442,10 +445,7 @@ def resolve_config(cfg: Config, world_size: int) -> Config:
 
 def _check_not_yet_supported(cfg: Config) -> None:
     """Refuse valid settings whose implementation has not landed; each line goes when its feature lands."""
-    missing = []
-    # ZeRO-3 with several model chunks per rank: stage 3's hooks need one root module per rank.
-    if cfg.zero.stage == 3 and cfg.parallel.virtual_stages > 1:
-        missing.append("--zero-stage 3 with --virtual-stages > 1 (interleaved schedule)")
+    missing: list[str] = []
     if missing:
         raise ConfigError("; ".join(f"{item} is not supported yet" for item in missing)
                           + " by megazero; drop these settings for now")

@@ -69,7 +69,7 @@ SUPPORTED_KEYS: frozenset[str] = frozenset({
     "zero_optimization.allgather_bucket_size", "zero_optimization.overlap_comm",
     "zero_optimization.reduce_scatter", "zero_optimization.contiguous_gradients",
     "zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.stage3_param_persistence_threshold",
-    "zero_optimization.stage3_max_live_parameters",
+    "zero_optimization.stage3_max_live_parameters", "zero_optimization.stage3_max_reuse_distance",
     "zero_optimization.offload_optimizer", "zero_optimization.offload_optimizer.device",
     "zero_optimization.offload_optimizer.pin_memory",
     "zero_optimization.offload_param", "zero_optimization.offload_param.device",
@@ -90,7 +90,6 @@ IGNORED_KEYS: Mapping[str, str] = MappingProxyType({
     "fp16.auto_cast": "input casting; megazero casts inside the model",
     "zero_optimization.round_robin_gradients": "offload copy order",
     "zero_optimization.sub_group_size": "optimizer step granularity",
-    "zero_optimization.stage3_max_reuse_distance": "gather cache size",
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": "save format",
     "zero_optimization.stage3_gather_fp16_weights_on_model_save": "save format",
     "zero_optimization.load_from_fp32_weights": "DeepSpeed checkpoint loading",
@@ -379,7 +378,7 @@ def _map(raw: Mapping[str, Any], out: DeepSpeedSettings) -> None:
     z = "zero_optimization."
     _put(out, zero, z, "stage", "zero.stage", _stage)
     for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
-                "stage3_param_persistence_threshold", "stage3_max_live_parameters"):
+                "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance"):
         _put(out, zero, z, key, f"zero.{key}", _int)
     for key in ("overlap_comm", "reduce_scatter", "contiguous_gradients"):
         _put(out, zero, z, key, f"zero.{key}", _bool)

@@ -17,6 +17,7 @@ broadcast along the pipeline, so every rank reports the same number.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,7 @@ from torch import nn
 
 from megazero.config import Config
 from megazero.lr_schedule import lr_at
-from megazero.model.gpt import GPT, full_state_dict, init_parameters
+from megazero.model.gpt import GPT, full_state_dict, init_parameters, parameter_initializer
 from megazero.parallel_context import ParallelContext
 from megazero.pipeline.executor import PipelineExecutor
 from megazero.pipeline.p2p import PipelineP2P
@@ -65,14 +66,23 @@ class Engine:
         self.virtual_stages = p.virtual_stages if self.schedule == "interleaved" else 1
         self.specs = stage_specs(m.num_layers, ctx.pp_size, ctx.pp_rank, self.virtual_stages, p.pp_layout)
         self.rng_tracker = RNGTracker(cfg.training.seed, ctx.tp_rank, self.device)
-        self.chunks = [
-            GPT(m, ctx.tp_group, layers=s.layers, pre_process=s.pre_process, post_process=s.post_process,
-                sequence_parallel=p.sequence_parallel, rng_tracker=self.rng_tracker,
-                activation_checkpointing=cfg.activation_checkpointing).to(self.device)
-            for s in self.specs
-        ]
-        for chunk in self.chunks:
-            init_parameters(chunk, cfg.training.seed, ctx.tp_group)
+        # ZeRO-3 builds the chunks without storage (meta device); the optimizer materialises them one gather
+        # unit at a time (each unit in full, sharded, freed), so no rank ever holds its whole replica
+        sharded_init = cfg.zero.stage == 3
+        with torch.device("meta") if sharded_init else contextlib.nullcontext():
+            self.chunks = [
+                GPT(m, ctx.tp_group, layers=s.layers, pre_process=s.pre_process, post_process=s.post_process,
+                    sequence_parallel=p.sequence_parallel, rng_tracker=self.rng_tracker,
+                    activation_checkpointing=cfg.activation_checkpointing)
+                for s in self.specs
+            ]
+        param_init = None
+        if sharded_init:
+            param_init = parameter_initializer(self.chunks, cfg.training.seed, ctx.tp_group, self.device)
+        else:
+            for chunk in self.chunks:
+                chunk.to(self.device)
+                init_parameters(chunk, cfg.training.seed, ctx.tp_group)
         # the tied embedding's second copy (last stage, pp > 1): summed with the first, counted once in the norm
         self.tied = [c.wte.weight for c in self.chunks if hasattr(c, "wte")] if ctx.pp_size > 1 else []
         self.model = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
@@ -84,6 +94,7 @@ class Engine:
             self.model, cfg.zero, cfg.optimizer, dp_group=ctx.dp_group, norm_group=ctx.mp_group,
             norm_counted=norm_counted, precision=cfg.training.precision, loss_scale_cfg=cfg.loss_scale,
             tied_params=self.tied, tied_group=ctx.embedding_group if self.tied else None,
+            param_init=param_init, device=self.device,
         )
         p2p = None
         if ctx.pp_size > 1:

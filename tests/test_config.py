@@ -358,13 +358,18 @@ def test_resolve_optimizer_name_must_match_decoupling() -> None:
         bad.resolve(1)
 
 
-@pytest.mark.parametrize("argv, world, feature", [
-    (["--pp", "2", "--zero-stage", "3", "--pp-schedule", "interleaved", "--virtual-stages", "2", "--num-layers", "4",
-      "--global-batch-size", "32"], 2, "--zero-stage 3 with --virtual-stages > 1"),
-])
-def test_not_yet_supported_features(argv: list[str], world: int, feature: str) -> None:
-    with pytest.raises(ConfigError, match=rf"{feature}.* is not supported yet"):
-        parse_args(argv).resolve(world)
+def test_zero3_with_the_interleaved_schedule_resolves() -> None:
+    """ZeRO-3 with several model chunks per rank is supported (no longer refused)."""
+    cfg = parse_args(["--pp", "2", "--zero-stage", "3", "--pp-schedule", "interleaved", "--virtual-stages", "2",
+                      "--num-layers", "4", "--global-batch-size", "32"]).resolve(2)
+    assert cfg.zero.stage == 3 and cfg.parallel.virtual_stages == 2
+
+
+def test_stage3_max_reuse_distance_is_read_and_checked(tmp_path) -> None:
+    cfg = ds_args(tmp_path, {"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 0}}).resolve(1)
+    assert cfg.zero.stage3_max_reuse_distance == 0
+    with pytest.raises(ConfigError, match="stage3_max_reuse_distance must be >= 0"):
+        ds_args(tmp_path, {"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": -1}}).resolve(1)
 
 
 def test_supported_settings_resolve_cleanly() -> None:

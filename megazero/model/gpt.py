@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +45,7 @@ from megazero.tensor_parallel.layers import replicated_parameter, tp_size_rank, 
 from megazero.tensor_parallel.random import RNGTracker
 
 __all__ = ["GPT", "Block", "CausalSelfAttention", "Dropout", "LayerNorm", "MLP", "full_state_dict",
-           "init_parameters"]
+           "init_parameters", "initial_value", "parameter_initializer"]
 
 
 class Dropout(nn.Dropout):
@@ -281,14 +282,29 @@ def full_state_dict(model: nn.Module, tp_group: Group | None = None) -> dict[str
     return out
 
 
+def initial_value(p: nn.Parameter, name: str, seed: int, tp_group: Group | None = None) -> torch.Tensor:
+    """The fp32 initial value of parameter ``p`` at this rank's (TP-shard) shape: drawn in full at its
+    unsharded shape from ``(seed, name)``, then sliced for this TP rank (``name`` is the unsharded name)."""
+    tp_size, tp_rank = tp_size_rank(tp_group)
+    spec = p.shard_spec
+    full = spec.make_full(torch.Generator().manual_seed(_name_seed(seed, name)))
+    return shard_full_tensor(full, spec, tp_rank, tp_size)
+
+
 @torch.no_grad()
 def init_parameters(model: nn.Module, seed: int, tp_group: Group | None = None) -> None:
     """Initialise every parameter from ``(seed, its unsharded name)`` at full shape, then keep this rank's slice.
 
     Any topology (tp, pp) therefore starts from the same model.
     """
-    tp_size, tp_rank = tp_size_rank(tp_group)
     for name, p in model.named_parameters():
-        spec = p.shard_spec
-        full = spec.make_full(torch.Generator().manual_seed(_name_seed(seed, name)))
-        p.copy_(shard_full_tensor(full, spec, tp_rank, tp_size).to(p.dtype))
+        p.copy_(initial_value(p, name, seed, tp_group).to(p.dtype))
+
+
+def parameter_initializer(chunks: list[nn.Module], seed: int, tp_group: Group | None,
+                          device: torch.device) -> Callable[[nn.Parameter], torch.Tensor]:
+    """For a model built on the meta device: a function giving one parameter's initial fp32 value on
+    ``device``, bit-identical to :func:`init_parameters` on each of ``chunks`` (ZeRO's sharded initialisation
+    materialises one gather unit at a time with it)."""
+    names = {p: n for chunk in chunks for n, p in chunk.named_parameters()}
+    return lambda p: initial_value(p, names[p], seed, tp_group).to(device)

@@ -51,7 +51,7 @@ parameters with ``ndim >= 2``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -111,7 +111,9 @@ class ZeroOptimizer:
     mean loss (gradients are summed over DP ranks), then :meth:`step`. ``norm_group`` is the group over which
     squared gradient norms are summed (the model-parallel group: tp x pp); ``norm_counted`` says which
     parameters this rank counts. ``loss_scale_cfg`` configures fp16 loss scaling; ``align`` is the element
-    multiple every rank's slice is padded to.
+    multiple every rank's slice is padded to. At stage 3 the model may be built on the meta device: then
+    ``param_init`` gives each parameter's full fp32 value and ``device`` where the shards live (sharded
+    initialisation, one gather unit at a time).
     """
 
     def __init__(
@@ -127,6 +129,8 @@ class ZeroOptimizer:
         align: int = 16,
         tied_params: Sequence[nn.Parameter] = (),
         tied_group: Group | None = None,
+        param_init: Callable[[nn.Parameter], torch.Tensor] | None = None,
+        device: torch.device | None = None,
     ) -> None:
         if precision not in PRECISION_DTYPES:
             raise ValueError(f"--precision must be one of {sorted(PRECISION_DTYPES)}, got {precision!r}")
@@ -152,7 +156,8 @@ class ZeroOptimizer:
             from megazero.zero.stage3 import Stage3Params
 
             self.store = Stage3Params(model, self.dtype, dp_group, zero_cfg, align=align, isolate=tied_params,
-                                      offload_param=zero_cfg.offload_param == "cpu")
+                                      offload_param=zero_cfg.offload_param == "cpu", param_init=param_init,
+                                      device=device)
         else:
             self.store = BucketedParams(
                 self.params, self.dtype, dp_group, shard_optimizer=self.sharded.optimizer_states,
@@ -427,10 +432,8 @@ class ZeroOptimizer:
         rank. Stage 0 owns every element on every DP rank.
         """
         store = self.store
-        if hasattr(store, "units"):  # stage 3: persistent buckets first, then one layout per gather unit
-            layouts = [(ps, lay, store.persistent.rank) for _, ps, lay in store.persistent.buckets] \
-                if store.persistent is not None else []
-            layouts += [(u.params, u.layout, store.rank) for u in store.units]
+        if hasattr(store, "layouts"):  # stage 3: persistent buckets first, then one layout per gather unit
+            layouts = store.layouts()
         else:
             layouts = [(ps, lay, store.rank) for _, ps, lay in store.buckets]
         assert len(layouts) == len(store.segments), "owned segments and flat layouts out of step"
