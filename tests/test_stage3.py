@@ -18,7 +18,6 @@ from torch.utils._pytree import tree_leaves
 
 from megazero.cli import parse_args
 from megazero.engine import Engine
-from megazero.model.gpt import GPT, init_parameters
 from tests.common import normwise_error
 from tests.dist import run_world
 
@@ -111,3 +110,154 @@ def test_stage3_interleaved_and_recompute_match_one_process_and_the_ledger(refer
                 want += m * r["blocks"]
             assert r["volumes"] == [want] * STEPS, (name, r["volumes"], want)
             assert r["checks"][0] > 0 and r["checks"][1:] == [0] * (STEPS - 1), (name, r["checks"])
+
+
+# -- dp 4, 6 layers: peaks measured on the tensors, the order check, gathered_parameters(), construction ---------
+class _LiveStorages(TorchDispatchMode):
+    """Bytes of the live storages that ops run inside the mode created (resizes included), and their peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: dict[int, StorageWeakRef] = {}
+        self.peak = 0
+
+    def live(self) -> int:
+        total = 0
+        for key, ref in list(self.refs.items()):
+            if ref.expired():
+                del self.refs[key]
+            else:
+                total += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+        return total
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not t.is_meta:
+                ref = StorageWeakRef(t.untyped_storage())
+                self.refs.setdefault(ref.cdata, ref)
+        self.peak = max(self.peak, self.live())
+        return out
+
+
+class _Peaks:
+    """Samples, after every DP all-gather and reduce-scatter and every gradient arrival, the bytes of the
+    gathered parameter buffers (every all-gather output still alive) and of the gradient buffers beyond the
+    owned partition (staging, in flight, pooled), from the storages themselves."""
+
+    def __init__(self, ctx, engine: Engine) -> None:
+        self.store, self.outputs = engine.optimizer.store, {}
+        self.gathered = self.grads = 0
+        group = ctx.dp_group
+        gather, scatter = group.all_gather_into, group.reduce_scatter
+
+        def all_gather_into(output, input, tag="other", async_op=False):
+            if tag == "param":
+                ref = StorageWeakRef(output.untyped_storage())
+                self.outputs.setdefault(ref.cdata, ref)
+            work = gather(output, input, tag=tag, async_op=async_op)
+            self.sample()
+            return work
+
+        def reduce_scatter(output, input, op="sum", tag="other", async_op=False):
+            work = scatter(output, input, op=op, tag=tag, async_op=async_op)
+            self.sample()
+            return work
+
+        group.all_gather_into, group.reduce_scatter = all_gather_into, reduce_scatter
+        for p in engine.model.parameters():  # registered after the store's own hooks: run after them
+            p.register_post_accumulate_grad_hook(lambda _: self.sample())
+
+    def sample(self) -> None:
+        live = 0
+        for key, ref in list(self.outputs.items()):
+            if ref.expired():
+                del self.outputs[key]
+            else:
+                live += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+        owned = {self.store.owned_grad.untyped_storage().data_ptr()}
+        grads = [g for g in self.store.held_tensors()["grads"] if g.untyped_storage().data_ptr() not in owned]
+        self.gathered = max(self.gathered, live)
+        self.grads = max(self.grads, sum({g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
+                                          for g in grads}.values()))
+
+
+def _named_masters(engine: Engine) -> dict[str, torch.Tensor]:
+    """The fp32 master weights under each chunk's own (unsharded) parameter names (a collective)."""
+    names = {id(p): n for c in engine.chunks for n, p in c.named_parameters()}
+    by_param = dict(engine.model.named_parameters())
+    return {names[id(by_param[k])]: v for k, v in engine.optimizer.master_params().items()}
+
+
+def _dp4_world(ctx, cache: str) -> dict:
+    flags = ["--num-layers", "6", "--zero-stage", "3", "--micro-batch-size", "1"]
+    zero = {"stage3_param_persistence_threshold": 0, "overlap_comm": True}
+    with _LiveStorages() as mode:
+        engine = _engine(ctx, flags, cache, **zero)
+    construction = {"peak": mode.peak, "kept": mode.live()}
+    store = engine.optimizer.store
+    initial = _named_masters(engine)
+    peaks = _Peaks(ctx, engine)
+    key = (ctx.dp_group.name, "all_gather", "check")
+    checks = []
+    for step in range(STEPS):
+        before = ctx.ledger.calls[key]
+        engine.train_step(_batches(step, ctx, 1))
+        checks.append(ctx.ledger.calls[key] - before)
+    gathered_peak, grads_peak = peaks.gathered, peaks.grads  # of the training steps
+    # gathered_parameters() holds through forwards run inside it: no gather, nothing released
+    x = _batches(0, ctx, 2)[0][0]
+    chunk = engine.chunks[0]
+    with torch.no_grad():
+        outside = chunk(x)
+        with engine.optimizer.gathered_parameters():
+            gathers = ctx.ledger.calls[(ctx.dp_group.name, "all_gather", "param")]
+            inside = [chunk(x), chunk(x)]
+            held = all(u.full.untyped_storage().nbytes() == u.full_bytes for u in store.units)
+            gathers = ctx.ledger.calls[(ctx.dp_group.name, "all_gather", "param")] - gathers
+        released = sum(u.full.untyped_storage().nbytes() for u in store.units)
+        # a deviation from the traced order (on every rank alike) brings the check back, without error
+        before = ctx.ledger.calls[key]
+        chunk.blocks = torch.nn.ModuleDict({k: chunk.blocks[k] for k in reversed(list(chunk.blocks))})
+        chunk(x)
+        deviation_checks = ctx.ledger.calls[key] - before
+    unit_bytes = {u.name: u.numel * u.full.element_size() for u in store.units}
+    return {"construction": construction, "initial": initial, "gathered_peak": gathered_peak,
+            "grads_peak": grads_peak, "unit_bytes": unit_bytes, "root": [u.name for u in store.units if u.is_root],
+            "checks": checks, "holds": (held, gathers, [torch.equal(t, outside) for t in inside]),
+            "released": released, "deviation_checks": deviation_checks, "inflight": store.max_inflight}
+
+
+def _stage0_initial(ctx, cache: str) -> dict[str, torch.Tensor]:
+    engine = _engine(ctx, ["--num-layers", "6", "--micro-batch-size", "8"], cache)
+    return {n: p.detach().clone() for n, p in engine.chunks[0].named_parameters()}
+
+
+def test_stage3_peaks_order_check_holding_and_sharded_init_at_dp4(data_cache) -> None:
+    """dp 4, 6 layers, fp32, one micro-batch at a time (2 per step), measured on the tensors:
+
+    * gathered parameter bytes at the peak (every all-gather receive buffer alive) are at most the chunk's own
+      units plus two blocks (the one in use and the one prefetched), far below the whole model;
+    * gradient bytes beyond the owned partition (staging, in flight, pooled) are at most the own units plus
+      (max_inflight_buckets + 1) blocks: each block is reduce-scattered as its backward ends;
+    * the order check issues collectives in the first (tracing) step only, and again on a deviation;
+    * ``gathered_parameters()`` holds through forwards inside it and releases everything after;
+    * construction on the meta device holds at most one unit's full values at a time (transient bytes at
+      construction <= 2 x the largest unit in fp32: its flat fp32 buffer and one parameter's full value), and
+      the initial weights are bit-identical to a stage-0 build."""
+    results = run_world(_dp4_world, 4, data_cache, timeout=600)
+    ref = run_world(_stage0_initial, 1, data_cache)[0]
+    for r in results:
+        sizes = r["unit_bytes"]
+        root = sum(sizes[n] for n in r["root"])
+        block = max(v for n, v in sizes.items() if n not in r["root"])
+        whole = sum(sizes.values())
+        assert 0 < r["gathered_peak"] <= root + 2 * block < 0.6 * whole, (r["gathered_peak"], root, block, whole)
+        assert 0 < r["grads_peak"] <= root + (r["inflight"] + 1) * block, (r["grads_peak"], root, block)
+        assert r["checks"][0] > 0 and r["checks"][1:] == [0] * (STEPS - 1), r["checks"]
+        assert r["deviation_checks"] > 0
+        assert r["holds"] == (True, 0, [True, True]) and r["released"] == 0, (r["holds"], r["released"])
+        transient = r["construction"]["peak"] - r["construction"]["kept"]
+        assert transient <= 2 * max(sizes.values()) < whole, (transient, max(sizes.values()), whole)
+        assert r["initial"].keys() == ref.keys()
+        assert all(torch.equal(r["initial"][k], ref[k]) for k in ref), "sharded init differs from a stage-0 build"
