@@ -12,7 +12,7 @@ stage   partitioned                            gradient policy with m micro-batc
                                                the updated parameters: Ψ + Ψ = 2Ψ for any m
 2       + gradients                            reduce-scatter buckets during every backward, all-gather after
                                                the step: (m + 1)Ψ
-3       + parameters (:mod:`.stage3`)          gather per submodule in every forward and backward, reduce-
+3       + parameters (:mod:`.stage3`)          gather per block in every forward and backward, reduce-
                                                scatter gradients every backward: 3mΨ (persistent parameters
                                                below ``stage3_param_persistence_threshold``: (m + 1)Ψ_p)
 ======  =====================================  =================================================================
