@@ -27,7 +27,7 @@ from megazero.estimate import (
     rank_parameter_numels,
     stage_layers,
 )
-from megazero.metrics import peak_flops_per_device, throughput, wandb_series
+from megazero.metrics import peak_flops_per_device, throughput
 from tests.common import SMALL_FLAGS
 from tests.dist import run_world
 
@@ -212,14 +212,21 @@ def test_wandb_offline_run_holds_per_rank_memory_series(world):
                        rec.config.update if rec.HasField("config") else []):
             config[update.key] = json.loads(update.value_json)
     assert len(history) == len(records) == 2
-    expected = wandb_series(records[-1])
     last = history[-1]
+    gib = 2**30
     for r in range(TOPOLOGIES[topology]["world"]):
-        for series in ("allocated_gib", "host_rss_gib", "params_gib", "grads_gib", "master_params_gib",
-                       "optimizer_states_gib", "model_states_gib", "activations_gib"):
+        [mem] = [m for m in records[-1]["memory"] if m["rank"] == r]
+        states = ("params_bytes", "grads_bytes", "master_params_bytes", "optimizer_states_bytes")
+        expected = {  # written out from metrics.jsonl's record, not from the function under test
+            "allocated_gib": (mem["device_allocated_bytes"] or mem["host_rss_bytes"]) / gib,  # CPU: the RSS
+            "host_rss_gib": mem["host_rss_bytes"] / gib, "params_gib": mem["params_bytes"] / gib,
+            "grads_gib": mem["grads_bytes"] / gib, "master_params_gib": mem["master_params_bytes"] / gib,
+            "optimizer_states_gib": mem["optimizer_states_bytes"] / gib,
+            "model_states_gib": sum(mem[k] for k in states) / gib, "activations_gib": mem["activation_peak_bytes"] / gib}
+        for series, value in expected.items():
             key = f"memory/rank{r}/{series}"
             assert key in last, (key, sorted(last))
-            assert last[key] == pytest.approx(expected[key]) and last[key] > 0
+            assert last[key] == pytest.approx(value) and last[key] > 0, (key, last[key], value)
     assert last["loss"] == pytest.approx(records[-1]["loss"]) and "tokens_per_s" in last
     assert config["topology"]["dp"] == 2 and config["zero"]["stage"] == 3 and config["model"]["hidden_size"] == 64
 

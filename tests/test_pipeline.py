@@ -39,7 +39,7 @@ def test_timelines_are_complete_and_have_the_textbook_bubble(name, v, pp):
             fwd = [(a.micro_batch, a.chunk) for a in actions if a.kind == "F"]
             bwd = [(a.micro_batch, a.chunk) for a in actions if a.kind == "B"]
             assert sorted(fwd) == sorted(bwd) == sorted((i, c) for i in range(m) for c in range(v))
-            assert all(fwd.index(x) < len(actions) and actions.index(next(a for a in actions if a.kind == "F"
+            assert all(actions.index(next(a for a in actions if a.kind == "F"
                        and (a.micro_batch, a.chunk) == x)) < actions.index(next(a for a in actions if a.kind == "B"
                        and (a.micro_batch, a.chunk) == x)) for x in fwd)
         sim = simulate(name, pp, m, v)

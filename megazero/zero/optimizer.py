@@ -405,18 +405,20 @@ class ZeroOptimizer:
         ``grads_bytes``: gradient buffers (full, owned partition, or in-flight buckets) and stray ``.grad``;
         ``master_params_bytes``: the fp32 master partition (0 in fp32, where parameters are their own master);
         ``optimizer_states_bytes``: the Adam moments; ``offloaded_bytes``: how much of all the above lives in
-        host memory (offload), so the device holds the sum of the four minus this.
+        host memory while the rest is on an accelerator, read from each tensor's device (0 when everything is
+        on the CPU), so the device holds the sum of the four minus this.
         """
         seen: set[int] = set()
         held = self.store.held_tensors()
-        params = storage_bytes([p for p in self.model.parameters()] + held["params"], seen)
-        grads = storage_bytes([p.grad for p in self.model.parameters()] + held["grads"], seen)
-        master = storage_bytes([self.master] if self.master is not None else [], seen)
-        states = storage_bytes([self.exp_avg, self.exp_avg_sq], seen)
-        offloaded = (master + states) if self.offload else 0
-        offloaded += storage_bytes(held.get("offloaded_params", []), set())
-        return {"params_bytes": params, "grads_bytes": grads, "master_params_bytes": master,
-                "optimizer_states_bytes": states, "offloaded_bytes": offloaded}
+        kinds = {"params_bytes": [p for p in self.model.parameters()] + held["params"],
+                 "grads_bytes": [p.grad for p in self.model.parameters()] + held["grads"],
+                 "master_params_bytes": [self.master] if self.master is not None else [],
+                 "optimizer_states_bytes": [self.exp_avg, self.exp_avg_sq]}
+        out = {k: storage_bytes(ts, seen) for k, ts in kinds.items()}
+        tensors = [t for ts in kinds.values() for t in ts if t is not None and t.untyped_storage().nbytes()]
+        on_accelerator = any(t.device.type != "cpu" for t in tensors)
+        out["offloaded_bytes"] = storage_bytes([t for t in tensors if t.device.type == "cpu"]) if on_accelerator else 0
+        return out
 
     def padded_numel(self) -> dict[str, int]:
         """Elements of the flat buffers as laid out (Ψ plus padding): what each collective moves."""

@@ -155,7 +155,7 @@ def storage_bytes(tensors: Sequence[torch.Tensor], seen: set[int] | None = None)
         st = t.untyped_storage()
         if st.nbytes() == 0:
             continue
-        key = st.data_ptr()
+        key = st._cdata  # the storage itself: unique while alive on any device (meta storages have no data_ptr)
         if key in seen:
             continue
         seen.add(key)
