@@ -117,26 +117,7 @@ def test_pipeline_with_tensor_and_data_parallel_and_zero(references, data_cache,
         assert_matches_reference(losses, state, references[("8", "4")])
 
 
-# -- measured in-flight micro-batches and the tied-embedding guard ------------------------------------------
-def _in_flight(ctx, cache: str, schedule: str):
-    cfg = parse_args([*PP_MODEL, "--pp", str(ctx.pp_size), "--pp-schedule", schedule, "--micro-batch-size", "1",
-                      "--global-batch-size", "8", "--vocab-size", "512", "--seq-len", "32", "--hidden-size",
-                      "64", "--num-heads", "4", "--cache-dir", cache]).resolve(ctx.world_size)
-    engine = Engine(cfg, ctx)
-    batch = [(torch.randint(0, 512, (1, 32)), torch.randint(0, 512, (1, 32))) for _ in range(8)]
-    res = engine.train_step(batch)
-    return res.peak_in_flight, engine.activation_peak_bytes
-
-
-def test_measured_activations_in_flight(data_cache):
-    pp = 4
-    one_f_one_b = run_world(_in_flight, pp, data_cache, "1f1b", pp=pp)
-    gpipe = run_world(_in_flight, pp, data_cache, "gpipe", pp=pp)
-    assert [r[0] for r in one_f_one_b] == [pp - r for r in range(pp)]  # at most pp, on the first stage
-    assert [r[0] for r in gpipe] == [8] * pp  # all m micro-batches
-    assert all(g[1] > f[1] for g, f in zip(gpipe, one_f_one_b))  # and their saved activations with them
-
-
+# -- the tied-embedding guard ---------------------------------------------------------------------------------
 def _drift(ctx, cache: str):
     cfg = parse_args([*PP_MODEL, "--pp", "2", "--vocab-size", "512", "--seq-len", "32", "--hidden-size", "64",
                       "--num-heads", "4", "--cache-dir", cache]).resolve(ctx.world_size)
