@@ -199,16 +199,16 @@ class Group:
                                  for kind, t, peer, msg_tag in ops])
         if self.size == 1:
             raise RuntimeError(f"point-to-point {ops[0][0]} on the {self.name!r} group of size 1 has no peer")
-        p2p_ops = []
-        for kind, tensor, peer, msg_tag in ops:
+        for kind, tensor, _peer, _msg_tag in ops:
             if kind == "send":
                 self.ledger.record(self.name, "send", tag, tensor.numel())
-            p2p_ops.append(self._p2p_op(kind, tensor, peer, msg_tag))
-        return dist.batch_isend_irecv(p2p_ops)
+        return self._issue_p2p(ops)
 
-    def _p2p_op(self, kind: str, tensor: torch.Tensor, peer: int, msg_tag: int) -> dist.P2POp:
-        fn = {"send": dist.isend, "recv": dist.irecv}[kind]
-        return dist.P2POp(fn, tensor, self.ranks[peer], self.process_group, msg_tag)
+    def _issue_p2p(self, ops: list[P2P]) -> list:
+        """Issue checked operations as one ``batch_isend_irecv`` (a test group may route them elsewhere)."""
+        fns = {"send": dist.isend, "recv": dist.irecv}
+        return dist.batch_isend_irecv([dist.P2POp(fns[kind], tensor, self.ranks[peer], self.process_group, msg_tag)
+                                       for kind, tensor, peer, msg_tag in ops])
 
     def isend(self, tensor: torch.Tensor, dst: int, msg_tag: int = 0, tag: str = "act"):
         """Non-blocking send to group rank ``dst``; returns the work handle. Counts n (sends only)."""

@@ -132,12 +132,13 @@ class ParallelContext:
         self.world_group = groups["world"]
 
     @classmethod
-    def from_grid(cls, grid: RankGrid, timeout_s: float | None = None,
-                  device: torch.device | str | None = None) -> ParallelContext:
+    def from_grid(cls, grid: RankGrid, timeout_s: float | None = None, device: torch.device | str | None = None,
+                  group_cls: type[Group] = Group) -> ParallelContext:
         """Create every group of the grid (a collective call) and keep this rank's.
 
         ``device`` is where every group's collectives work (:class:`~megazero.distributed.Group` checks each
-        tensor against it): by default the current CUDA device under NCCL and the CPU under gloo.
+        tensor against it): by default the current CUDA device under NCCL and the CPU under gloo. ``group_cls``
+        lets a test harness substitute a :class:`Group` subclass.
 
         ``timeout_s`` bounds every collective of every group (``--dist-timeout``); without it the subgroups
         would fall back to the backend's default (30 minutes for gloo), whatever the world group was given.
@@ -164,8 +165,8 @@ class ParallelContext:
                 # new_group is collective over the whole world: every rank creates every group.
                 pg = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                 if rank in ranks:
-                    groups[kind] = Group(kind, ranks, pg, ledger, device)
-        groups["world"] = Group("world", list(range(grid.world_size)), dist.group.WORLD, ledger, device)
+                    groups[kind] = group_cls(kind, ranks, pg, ledger, device)
+        groups["world"] = group_cls("world", list(range(grid.world_size)), dist.group.WORLD, ledger, device)
         return cls(grid, rank, groups, ledger)
 
     # -- convenience ------------------------------------------------------------------------------------

@@ -7,6 +7,12 @@ that rank's traceback; a world that does not finish within ``timeout`` is killed
 
 Forking is cheap (no re-import of torch) and each rank runs single-threaded, so many small worlds fit on
 two cores. Ranks end with ``os._exit`` after destroying their group, which sidesteps gloo's shutdown race.
+
+``cuda=True`` runs the world on the one CUDA device (spawned ranks; CUDA does not survive a fork): every
+group's device is that GPU, so model, activations and collective buffers live there and the device rule is
+enforced as under NCCL. The collectives still run over gloo (NCCL refuses two ranks on one GPU), which
+carries CUDA tensors for all-reduce, broadcast and all-gather/reduce-scatter; its send/receive do not, so
+:class:`HostP2PGroup` routes point-to-point transfers through host copies after the device check.
 """
 
 from __future__ import annotations
@@ -20,15 +26,34 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["WorldError", "run_world"]
+from megazero.distributed import Group, _Done
+
+__all__ = ["HostP2PGroup", "WorldError", "run_world"]
 
 
 class WorldError(RuntimeError):
     """A rank of a test world failed or the world timed out."""
 
 
+class HostP2PGroup(Group):
+    """A test-only Group on a CUDA device whose point-to-point transfers go through host copies (gloo cannot
+    send CUDA tensors). The device check and the ledger run first, exactly as for any Group."""
+
+    def _issue_p2p(self, ops):
+        import torch
+
+        host = [(kind, t.detach().cpu() if kind == "send" else torch.empty(t.shape, dtype=t.dtype), peer, tag)
+                for kind, t, peer, tag in ops]
+        for work in super()._issue_p2p(host):
+            work.wait()
+        for (kind, t, _, _), (_, h, _, _) in zip(ops, host):
+            if kind == "recv":
+                t.copy_(h)
+        return [_Done() for _ in ops]
+
+
 def _rank_main(rank: int, world_size: int, port: int, grid_kwargs: dict, dist_timeout: float,
-               fn: Callable, args: tuple, kwargs: dict, results: mp.Queue) -> None:
+               fn: Callable, args: tuple, kwargs: dict, results: mp.Queue, cuda: bool = False) -> None:
     code = 0
     try:
         import datetime
@@ -42,8 +67,15 @@ def _rank_main(rank: int, world_size: int, port: int, grid_kwargs: dict, dist_ti
         timeout = datetime.timedelta(seconds=dist_timeout)
         # the parent's store listens on ``port`` for the whole life of the world: nobody else can take it
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+        if cuda:
+            torch.cuda.set_device(0)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
-        ctx = ParallelContext.from_grid(RankGrid.from_world(world_size, **grid_kwargs), timeout_s=dist_timeout)
+        grid = RankGrid.from_world(world_size, **grid_kwargs)
+        if cuda:
+            ctx = ParallelContext.from_grid(grid, timeout_s=dist_timeout, device=torch.device("cuda", 0),
+                                            group_cls=HostP2PGroup)
+        else:
+            ctx = ParallelContext.from_grid(grid, timeout_s=dist_timeout)
         out = fn(ctx, *args, **kwargs)
         # pickle by value: multiprocessing would share tensors through file descriptors of a dying process
         results.put((rank, "ok", pickle.dumps(out)))
@@ -58,14 +90,16 @@ def _rank_main(rank: int, world_size: int, port: int, grid_kwargs: dict, dist_ti
 
 
 def run_world(fn: Callable[..., Any], world_size: int, *args: Any, tp: int = 1, pp: int = 1,
-              dp: int | None = None, timeout: float = 180.0, dist_timeout: float = 60.0,
+              dp: int | None = None, timeout: float = 180.0, dist_timeout: float = 60.0, cuda: bool = False,
               **kwargs: Any) -> list[Any]:
-    """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` forked gloo ranks; return results by rank."""
+    """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` forked gloo ranks; return results by rank.
+
+    ``cuda=True``: spawned ranks sharing the one CUDA device (``fn`` and its arguments must pickle)."""
     import datetime
 
     from torch.distributed import TCPStore
 
-    ctx_mp = mp.get_context("fork")
+    ctx_mp = mp.get_context("spawn" if cuda else "fork")
     results: mp.Queue = ctx_mp.Queue()
     # a store on a port the OS picks, held (listening) by this process until the world is over: no race
     store = TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
@@ -74,7 +108,7 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, tp: int = 1, 
     grid_kwargs = {"tp_size": tp, "pp_size": pp, "dp_size": dp}
     procs = [
         ctx_mp.Process(target=_rank_main, args=(r, world_size, port, grid_kwargs, dist_timeout, fn, args, kwargs,
-                                                results), daemon=True)
+                                                results, cuda), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:

@@ -10,10 +10,26 @@ from megazero.config import ConfigError
 from megazero.engine import Engine
 from megazero.pipeline.partition import PipelineLayoutError, partition_layers, stage_specs
 from megazero.pipeline.schedules import ScheduleError, build_schedule, simulate
-from tests.common import assert_matches_reference, merge_runs, train_runs
+from megazero.trainer import run_training
+from tests.common import SMALL_FLAGS, assert_matches_reference, merge_runs
 from tests.dist import run_world
 
 PP_MODEL = ["--num-layers", "8"]
+EVAL = ["--eval-interval", "1000", "--eval-iters", "1"]  # one evaluation, after the last step
+
+
+def train_eval_runs(ctx, runs: list[list[str]], cache: str, log_dir: str) -> list[tuple[list[float], dict | None]]:
+    """:func:`tests.common.train_runs` with one evaluation after the last step, whose loss is appended to the
+    training losses (so the parity check covers evaluation under every schedule and topology too)."""
+    out = []
+    for i, flags in enumerate(runs):
+        cfg = parse_args([*SMALL_FLAGS, *flags, *EVAL, "--cache-dir", cache,
+                          "--log-dir", f"{log_dir}/{ctx.world_size}-{i}"])
+        s = run_training(cfg.resolve(ctx.world_size), ctx, keep_final_state=True)
+        assert len(s.eval_losses) == 1, s.eval_losses
+        state = s.final_state if ctx.tp_rank == 0 and ctx.dp_rank == 0 else None
+        out.append((s.losses + [s.eval_losses[0][1]], state))
+    return out
 
 
 # -- pure: partitioning and timelines ---------------------------------------------------------------------
@@ -74,7 +90,7 @@ def references(data_cache, tmp_path_factory):
     """Single-process runs of the 8-layer model for each global batch and step count the tests use."""
     keys = [("8", "10"), ("5", "10"), ("9", "10"), ("8", "4")]
     runs = [[*PP_MODEL, "--micro-batch-size", g, "--train-steps", s] for g, s in keys]
-    results = merge_runs(run_world(train_runs, 1, runs, data_cache, str(tmp_path_factory.mktemp("pp-ref"))))
+    results = merge_runs(run_world(train_eval_runs, 1, runs, data_cache, str(tmp_path_factory.mktemp("pp-ref"))))
     return dict(zip(keys, results))
 
 
@@ -96,9 +112,11 @@ def _pp_runs(pp: int) -> list[tuple[tuple[str, str], list[str]]]:
 
 @pytest.mark.parametrize("pp", [2, 4])
 def test_pipeline_matches_single_process(pp, references, data_cache, tmp_path):
+    """Training losses, final weights and the final evaluation loss (the last entry of ``losses``) match one
+    process for 1F1B, GPipe and interleaved at pp 2 and 4."""
     runs = _pp_runs(pp)
     flags = [[*PP_MODEL, "--pp", str(pp), *f] for _, f in runs]
-    results = merge_runs(run_world(train_runs, pp, flags, data_cache, str(tmp_path), pp=pp))
+    results = merge_runs(run_world(train_eval_runs, pp, flags, data_cache, str(tmp_path), pp=pp))
     for (key, f), (losses, state) in zip(runs, results):
         try:
             assert_matches_reference(losses, state, references[key])
@@ -108,12 +126,13 @@ def test_pipeline_matches_single_process(pp, references, data_cache, tmp_path):
 
 def test_pipeline_with_tensor_and_data_parallel_and_zero(references, data_cache, tmp_path):
     """8 ranks: pp 2 x tp 2 x dp 2 at every ZeRO stage, four steps (frugal: DESIGN.md, Testing). Stages 2 and 3
-    partition the tied embedding's two copies alike, so summing their gradients is exact."""
+    partition the tied embedding's two copies alike, so summing their gradients is exact. The evaluation
+    loss after the last step matches too."""
     base = [*PP_MODEL, "--pp", "2", "--tp", "2", "--dp", "2", "--train-steps", "4", "--micro-batch-size", "2",
             "--global-batch-size", "8"]
     runs = [[*base, "--zero-stage", "0", "--sequence-parallel"], [*base, "--zero-stage", "1"],
             [*base, "--zero-stage", "2", "--sequence-parallel"], [*base, "--zero-stage", "3"]]
-    for losses, state in merge_runs(run_world(train_runs, 8, runs, data_cache, str(tmp_path), pp=2, tp=2)):
+    for losses, state in merge_runs(run_world(train_eval_runs, 8, runs, data_cache, str(tmp_path), pp=2, tp=2)):
         assert_matches_reference(losses, state, references[("8", "4")])
 
 

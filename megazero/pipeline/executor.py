@@ -74,12 +74,12 @@ class PipelineExecutor:
                 x, y = micro_batches[a.micro_batch]
                 if recv is None:
                     inp = None
-                    arg = x.to(self.device)
+                    arg = x.to(self.device, non_blocking=True)  # no host sync (safe from pageable memory)
                 else:
                     inp = inbox.pop(recv.key)
                     inp.requires_grad_(backward is not None)
                     arg = inp
-                target = y.to(self.device) if spec.post_process else None
+                target = y.to(self.device, non_blocking=True) if spec.post_process else None
                 counter = self.counters[a.chunk]
                 with torch.set_grad_enabled(backward is not None), counter.track():
                     out = chunk(arg, target)

@@ -360,7 +360,7 @@ class ZeroOptimizer:
             gs, ms, vs = ([x[lo:hi][a:b] for a, b in sel] for x in (g, self.exp_avg, self.exp_avg_sq))
             wd = cfg.weight_decay if decayed else 0.0
             if fused is not None:
-                steps = [torch.tensor(float(t), device=p.device) for _ in sel]
+                steps = [torch.full((), float(t), device=p.device) for _ in sel]  # a fill: no host copy
                 fused(ps, gs, ms, vs, [], steps, lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=cfg.eps,
                       amsgrad=False, maximize=False)
                 continue
