@@ -61,6 +61,7 @@ class RefResult:
     lrs: list[float]
     initial: dict[str, torch.Tensor]  # megazero names, full unpadded fp32
     final: dict[str, torch.Tensor]  # megazero names, full unpadded fp32
+    eval_loss: float  # after training: mean loss over the eval split's first global batch (in order)
 
 
 def lr_lambda(spec: RefSpec):
@@ -148,7 +149,7 @@ def run_reference(cache_dir: str, spec: RefSpec = RefSpec(), lr_scale: float = 1
     torch.set_num_threads(1)
     try:
         tok = resolve_tokenizer([], spec.vocab_size, cache_dir)
-        train_ds, _ = build_datasets([], tok, spec.seq_len, cache_dir, spec.eval_fraction)
+        train_ds, eval_ds = build_datasets([], tok, spec.seq_len, cache_dir, spec.eval_fraction)
         initial = _initial_state(spec)
         model, cfg = _hf_model(spec, initial)
         model.train()
@@ -158,12 +159,14 @@ def run_reference(cache_dir: str, spec: RefSpec = RefSpec(), lr_scale: float = 1
         opt = torch.optim.AdamW(groups, lr=spec.lr * lr_scale, betas=spec.betas, eps=spec.eps, foreach=False)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(spec))
         losses, norms, lrs = [], [], []
+        def batch_loss(ds, idx: list[int]) -> torch.Tensor:
+            batch = torch.stack([torch.as_tensor(np.asarray(ds[i]), dtype=torch.long) for i in idx])
+            logits = model(input_ids=batch[:, :-1]).logits
+            return F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+
         for idx in reference_batches(len(train_ds), spec, spec.train_steps):
-            batch = torch.stack([torch.as_tensor(np.asarray(train_ds[i]), dtype=torch.long) for i in idx])
-            x, y = batch[:, :-1], batch[:, 1:]
             opt.zero_grad(set_to_none=True)
-            logits = model(input_ids=x).logits
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+            loss = batch_loss(train_ds, idx)
             loss.backward()
             clip = spec.clip_grad if spec.clip_grad > 0 else float("inf")
             norms.append(torch.nn.utils.clip_grad_norm_(params, clip).item())
@@ -171,6 +174,10 @@ def run_reference(cache_dir: str, spec: RefSpec = RefSpec(), lr_scale: float = 1
             opt.step()
             sched.step()
             losses.append(loss.item())
-        return RefResult(losses, norms, lrs, initial, _to_megazero_names(model, cfg))
+        model.eval()
+        with torch.no_grad():
+            eval_loss = batch_loss(eval_ds, list(range(spec.global_batch))).item() \
+                if eval_ds is not None and len(eval_ds) >= spec.global_batch else float("nan")
+        return RefResult(losses, norms, lrs, initial, _to_megazero_names(model, cfg), eval_loss)
     finally:
         torch.set_num_threads(threads)

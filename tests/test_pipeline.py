@@ -13,6 +13,7 @@ from megazero.pipeline.schedules import ScheduleError, build_schedule, simulate
 from megazero.trainer import run_training
 from tests.common import SMALL_FLAGS, assert_matches_reference, merge_runs
 from tests.dist import run_world
+from tests.reference import RefSpec, run_reference
 
 PP_MODEL = ["--num-layers", "8"]
 EVAL = ["--eval-interval", "1000", "--eval-iters", "1"]  # one evaluation, after the last step
@@ -86,12 +87,13 @@ def test_configuration_errors(argv, world, message):
 
 # -- parity with one process ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def references(data_cache, tmp_path_factory):
-    """Single-process runs of the 8-layer model for each global batch and step count the tests use."""
+def references(data_cache):
+    """The independent reference (tests/reference.py: HF GPT-2, torch AdamW, LambdaLR) of the 8-layer model for
+    each global batch and step count the tests use."""
     keys = [("8", "10"), ("5", "10"), ("9", "10"), ("8", "4")]
-    runs = [[*PP_MODEL, "--micro-batch-size", g, "--train-steps", s] for g, s in keys]
-    results = merge_runs(run_world(train_eval_runs, 1, runs, data_cache, str(tmp_path_factory.mktemp("pp-ref"))))
-    return dict(zip(keys, results))
+    runs = {k: run_reference(data_cache, RefSpec(num_layers=8, global_batch=int(k[0]), train_steps=int(k[1])))
+            for k in keys}
+    return {k: (r.losses + [r.eval_loss], r.final) for k, r in runs.items()}  # + the evaluation after the last step
 
 
 def _pp_runs(pp: int) -> list[tuple[tuple[str, str], list[str]]]:
