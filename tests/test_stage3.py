@@ -222,7 +222,12 @@ def _dp4_world(ctx, cache: str) -> dict:
         chunk(x)
         deviation_checks = ctx.ledger.calls[key] - before
     unit_bytes = {u.name: u.numel * u.full.element_size() for u in store.units}
-    return {"construction": construction, "initial": initial, "gathered_peak": gathered_peak,
+    # a live budget of the own units plus one block: nothing is prefetched beyond it
+    budget = sum(u.numel for u in store.units if u.is_root) + max(u.numel for u in store.units if not u.is_root)
+    tight = _engine(ctx, flags, cache, stage3_max_live_parameters=budget, **zero)
+    limited = _Peaks(ctx, tight)
+    tight.train_step(_batches(0, ctx, 1))
+    return {"budget_peak": limited.gathered, "budget_bytes": 4 * budget,"construction": construction, "initial": initial, "gathered_peak": gathered_peak,
             "grads_peak": grads_peak, "unit_bytes": unit_bytes, "root": [u.name for u in store.units if u.is_root],
             "checks": checks, "holds": (held, gathers, [torch.equal(t, outside) for t in inside]),
             "released": released, "deviation_checks": deviation_checks, "inflight": store.max_inflight}
@@ -241,6 +246,7 @@ def test_stage3_peaks_order_check_holding_and_sharded_init_at_dp4(data_cache) ->
     * gradient bytes beyond the owned partition (staging, in flight, pooled) are at most the own units plus
       (max_inflight_buckets + 1) blocks: each block is reduce-scattered as its backward ends;
     * the order check issues collectives in the first (tracing) step only, and again on a deviation;
+    * with ``stage3_max_live_parameters`` at the own units plus one block, the gathered bytes stay within it;
     * ``gathered_parameters()`` holds through forwards inside it and releases everything after;
     * construction on the meta device holds at most one unit's full values at a time (transient bytes at
       construction <= 2 x the largest unit in fp32: its flat fp32 buffer and one parameter's full value), and
@@ -256,6 +262,7 @@ def test_stage3_peaks_order_check_holding_and_sharded_init_at_dp4(data_cache) ->
         assert 0 < r["grads_peak"] <= root + (r["inflight"] + 1) * block, (r["grads_peak"], root, block)
         assert r["checks"][0] > 0 and r["checks"][1:] == [0] * (STEPS - 1), r["checks"]
         assert r["deviation_checks"] > 0
+        assert 0 < r["budget_peak"] <= r["budget_bytes"], (r["budget_peak"], r["budget_bytes"])
         assert r["holds"] == (True, 0, [True, True]) and r["released"] == 0, (r["holds"], r["released"])
         transient = r["construction"]["peak"] - r["construction"]["kept"]
         assert transient <= 2 * max(sizes.values()) < whole, (transient, max(sizes.values()), whole)
