@@ -153,7 +153,8 @@ def test_resume_is_exact_at_the_same_topology(resumed):
 def _refusals(ctx, cache: str, ck: str, bad: dict[str, str]) -> dict[str, str]:
     out = {}
     for label, flags in {"corrupt": ["--load", bad["corrupt"]], "missing": ["--load", bad["missing"]],
-                         "config": ["--load", ck, "--hidden-size", "128"]}.items():
+                         "config": ["--load", ck, "--hidden-size", "128"],
+                         "tokenizer": ["--load", bad["tokenizer"]]}.items():
         cfg = parse_args([*SMALL_FLAGS, *DP2, *flags, "--cache-dir", cache, "--log-dir", f"{ck}-log"])
         try:
             run_training(cfg.resolve(ctx.world_size), ctx)
@@ -165,9 +166,13 @@ def _refusals(ctx, cache: str, ck: str, bad: dict[str, str]) -> dict[str, str]:
 
 def test_corrupt_missing_and_mismatched_checkpoints_are_refused_on_every_rank(resumed, data_cache, tmp_path):
     src = resumed["ck"] / "fp32" / "step_00000006"
-    bad = {k: str(tmp_path / k) for k in ("corrupt", "missing")}
+    bad = {k: str(tmp_path / k) for k in ("corrupt", "missing", "tokenizer")}
     for path in bad.values():
         shutil.copytree(src, path)
+    manifest = Path(bad["tokenizer"]) / "manifest.json"  # as if trained with another tokenizer
+    meta = json.loads(manifest.read_text())
+    meta["tokenizer"]["sha256"] = "0" * 64
+    manifest.write_text(json.dumps(meta))
     with open(Path(bad["corrupt"]) / "rank_00001.safetensors", "r+b") as f:
         f.seek(5000)
         byte = f.read(1)
@@ -178,6 +183,7 @@ def test_corrupt_missing_and_mismatched_checkpoints_are_refused_on_every_rank(re
         assert "CheckpointError" in msgs["corrupt"] and "corrupt/rank_00001.safetensors is corrupt" in msgs["corrupt"]
         assert "missing/rank_00000.safetensors is missing" in msgs["missing"], msgs["missing"]
         assert "--hidden-size 128 != checkpoint's 64" in msgs["config"], msgs["config"]
+        assert "trained with another tokenizer" in msgs["tokenizer"] and "--tokenizer" in msgs["tokenizer"], msgs
 
 
 # -- crash safety ---------------------------------------------------------------------------------------------
