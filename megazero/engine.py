@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megazero import host
 from megazero.config import Config
 from megazero.lr_schedule import lr_at
 from megazero.model.gpt import GPT, full_state_dict, init_parameters, parameter_initializer
@@ -169,7 +170,7 @@ class Engine:
         loss_t = self._global_loss(stats.loss_sum, tokens)
         sq_norm_t = opt.prepare_step()
         # the step's one read from the device: loss, squared gradient norm and token count together
-        loss, sq_norm, n_tokens = torch.stack([loss_t, sq_norm_t.to(loss_t.dtype), tokens]).tolist()
+        loss, sq_norm, n_tokens = host.read(torch.stack([loss_t, sq_norm_t.to(loss_t.dtype), tokens]))
         lr = self.lr()
         step_stats = opt.finish_step(lr, sq_norm)
         self.ctx.ledger.mark_step()

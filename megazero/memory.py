@@ -27,7 +27,7 @@ The category of a storage is decided at the moment of a new peak, from the buffe
 callable returning ``{category: tensors}``, e.g. :func:`zero_buffers`), then from where it was allocated.
 The tracker counts storages that exist when it starts only if they are listed there (the model states);
 everything allocated while it runs is counted. Only tensors on ``device`` count (on a GPU run, host-side
-pinned buffers of offload are left out); meta tensors never count.
+pinned buffers of offload are left out); meta tensors count only on a meta tracker (the dry run).
 
 Unlike ``torch.distributed._tools.mem_tracker.MemTracker`` it does not track per module, so a module may run
 several forwards in one step (gradient accumulation, pipelining, recomputation). Cost: one Python call per
@@ -76,7 +76,7 @@ def zero_buffers(optimizer: Any) -> dict[str, list[torch.Tensor | None]]:
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
-    if type(t) is not torch.Tensor and not isinstance(t, nn.Parameter) or t.device.type == "meta":
+    if type(t) is not torch.Tensor and not isinstance(t, nn.Parameter):  # meta counts on a meta tracker
         return None
     try:
         return t.untyped_storage()

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megazero import host
+
 __all__ = [
     "MEMORY_KEYS",
     "PEAK_FLOPS",
@@ -63,7 +65,7 @@ class ActivationMemoryCounter:
 
     @contextmanager
     def track(self) -> Iterator[None]:
-        params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        params = {host.storage_key(p) for p in self.model.parameters()}
         seen: dict[int, int] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -71,7 +73,7 @@ class ActivationMemoryCounter:
             # whose parameters live in storages gathered during the forward, unknown when tracking starts
             if not isinstance(t, nn.Parameter) and not isinstance(t._base, nn.Parameter):
                 storage = t.untyped_storage()
-                ptr = storage.data_ptr()
+                ptr = host.storage_key(t)
                 if ptr not in params and ptr not in seen:
                     seen[ptr] = storage.nbytes()
             return t

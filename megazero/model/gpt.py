@@ -273,6 +273,8 @@ def full_state_dict(model: nn.Module, tp_group: Group | None = None) -> dict[str
     """The unsharded, unpadded fp32 parameters (a collective over ``tp_group``; every TP rank gets them)."""
     out = {}
     for name, p in model.named_parameters():
+        if p.is_meta:  # no storage to fill (the dry run)
+            continue
         spec = p.shard_spec
         if spec.partition_dim is None or tp_group is None or tp_group.size == 1:
             shards = [p.detach().float()]
@@ -298,6 +300,8 @@ def init_parameters(model: nn.Module, seed: int, tp_group: Group | None = None) 
     Any topology (tp, pp) therefore starts from the same model.
     """
     for name, p in model.named_parameters():
+        if p.is_meta:  # no storage to fill (the dry run)
+            continue
         p.copy_(initial_value(p, name, seed, tp_group).to(p.dtype))
 
 

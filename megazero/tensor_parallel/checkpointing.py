@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from megazero import host
 from megazero.distributed import Group
 from megazero.tensor_parallel.random import RNGTracker
 
@@ -133,7 +134,7 @@ def _count_saved(stats: CheckpointStats) -> Iterator[None]:
     def pack(t: torch.Tensor) -> torch.Tensor:
         if not isinstance(t, nn.Parameter) and not isinstance(t._base, nn.Parameter):
             storage = t.untyped_storage()
-            seen.setdefault(storage.data_ptr(), storage.nbytes())
+            seen.setdefault(host.storage_key(t), storage.nbytes())
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

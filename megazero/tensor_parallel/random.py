@@ -25,7 +25,8 @@ class RNGTracker:
 
     def __init__(self, seed: int, tp_rank: int, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
-        gen = torch.Generator(device=self.device)
+        # meta tensors (the dry run) draw no random numbers: keep a host generator's state
+        gen = torch.Generator(device="cpu" if self.device.type == "meta" else self.device)
         gen.manual_seed(seed + _TP_SEED_OFFSET + tp_rank)
         self.state = gen.get_state()
 

@@ -23,6 +23,7 @@ from itertools import accumulate
 import torch
 from torch import nn
 
+from megazero import host
 from megazero.distributed import Group
 
 __all__ = [
@@ -155,7 +156,7 @@ def storage_bytes(tensors: Sequence[torch.Tensor], seen: set[int] | None = None)
         st = t.untyped_storage()
         if st.nbytes() == 0:
             continue
-        key = st._cdata  # the storage itself: unique while alive on any device (meta storages have no data_ptr)
+        key = host.storage_key(t)
         if key in seen:
             continue
         seen.add(key)
