@@ -3,6 +3,7 @@
     python pretrain/gpt.py                                  # tiny GPT on the built-in corpus, one process
     torchrun --nproc-per-node 4 pretrain/gpt.py --dp 4      # four data-parallel ranks
     python pretrain/gpt.py --help                           # every option
+    python pretrain/gpt.py --dry-run --tp 8 --dp 16 --model gpt2-1.3b   # every rank role of 128 ranks, no GPU
 
 Runs under torchrun, SLURM (srun) or as a plain process. Configuration errors are reported on every rank
 before any process group exists, so a bad flag never leaves a rank waiting for its peers.
@@ -29,7 +30,40 @@ from megazero.parallel_context import ParallelContext, RankGrid, TopologyError
 from megazero.trainer import run_training
 
 
+def dry_run_main(argv: list[str]) -> int:
+    """``--dry-run``: one step per rank role of the whole topology in this process (megazero/dryrun.py)."""
+    import argparse
+
+    from megazero.dryrun import dry_run, format_report
+    from megazero.roofline import GPUS, cluster
+
+    p = argparse.ArgumentParser(prog="pretrain/gpt.py --dry-run", add_help=False)
+    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--gpu", default="h100", choices=tuple(GPUS))
+    p.add_argument("--gpus-per-node", type=int, default=None)
+    p.add_argument("--efficiency", type=float, default=0.5)
+    p.add_argument("--memory-gb", type=float, default=None)
+    known, rest = p.parse_known_args(argv)
+    try:
+        cfg = parse_args(rest)
+        par = cfg.parallel
+        cfg = cfg.resolve(par.tp_size * par.pp_size * (par.dp_size or 1))
+        c = cluster(known.gpu, known.gpus_per_node, efficiency=known.efficiency,
+                    memory_bytes=known.memory_gb * 1e9 if known.memory_gb else None)
+    except (ConfigError, TopologyError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    setup_logging(0, 1)
+    report = dry_run(cfg, c, cfg.logging.log_dir)
+    print(format_report(report))
+    print(f"written: {os.path.join(cfg.logging.log_dir, 'dryrun.json')}")
+    return 0 if report.fits else 1
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--dry-run" in argv:
+        return dry_run_main(argv)
     env = detect_env()
     try:
         cfg = parse_args(argv).resolve(env.world_size)

@@ -1,0 +1,235 @@
+"""Dry run: one real training step per rank role of any topology, on one CPU, with no GPU and no weights.
+
+``python pretrain/gpt.py --dry-run [any flags]`` runs :func:`dry_run`. For each distinct *rank role* (each
+pipeline stage, times whether the TP rank holds vocabulary padding) it starts torch's ``fake`` process-group
+backend as that rank of the full world (collectives return at once, nothing is sent), builds the real
+:class:`~megazero.engine.Engine` on the ``meta`` device (tensors with shapes and dtypes but no storage) and runs
+one full :meth:`~megazero.engine.Engine.train_step`: the same model, ZeRO optimizer, schedule, hooks and
+collectives as a real run. Then it tears the group down and moves to the next role.
+
+The fake group is registered for the meta device only, so a CPU tensor that reaches a collective fails the dry
+run as it would fail under NCCL ("No backend type associated with device type cpu"). Values the code reads
+back to the host go through :mod:`megazero.host`, which the dry run switches to placeholders (and counts).
+
+Per role it reports the model states at rest (measured on the live tensors, as metrics.jsonl), the peak by
+category (:class:`~megazero.memory.PeakMemoryTracker`, the same tracker as metrics.jsonl), the ledger's volume
+per group, the pipeline bubble (:func:`~megazero.pipeline.schedules.simulate`) and a roofline step time
+(:mod:`megazero.roofline`); then a verdict: fits, or which rank and category overflow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megazero import host
+from megazero.config import Config
+from megazero.engine import Engine
+from megazero.memory import PeakMemoryTracker, zero_buffers
+from megazero.parallel_context import ParallelContext, RankGrid
+from megazero.pipeline.schedules import simulate
+from megazero.roofline import Cluster, group_nodes, step_time
+from megazero.tensor_parallel.layers import VOCAB_PAD_MULTIPLE, pad_size
+
+__all__ = ["DryRunReport", "RoleResult", "dry_run", "format_report", "rank_roles", "run_role"]
+
+DRY_BACKEND = "meta:fake"  # the fake backend serves meta tensors only: a CPU tensor in a collective fails
+
+
+@dataclass
+class RoleResult:
+    """What one rank role measured in its step."""
+
+    rank: int
+    pp_rank: int
+    tp_rank: int
+    holds_vocab_padding: bool
+    states: dict[str, int]  # model states at rest after the step (metrics.jsonl's keys)
+    peak_bytes: int
+    peak_by_category: dict[str, int]
+    volumes: dict[str, int]  # elements per step by group (tp, pp, dp, ...), the ledger's logical counts
+    breakdown: dict[str, int]  # "group/op/tag" -> elements
+    host_reads: int  # reads from the device during the step
+    step_seconds: dict[str, float] = field(default_factory=dict)  # roofline estimate by part
+    wall_seconds: float = 0.0  # how long the dry step of this role took here
+
+
+@dataclass
+class DryRunReport:
+    topology: dict[str, Any]
+    roles: list[RoleResult]
+    bubble_fraction: float
+    usable_memory_bytes: float
+    gpu: str
+    fits: bool
+    verdict: str
+    wall_seconds: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _padding_ranks(vocab: int, tp: int) -> list[bool]:
+    """For each TP rank, whether its slice of the padded vocabulary holds padding rows."""
+    padded = pad_size(vocab, VOCAB_PAD_MULTIPLE * tp)
+    per = padded // tp
+    return [(t + 1) * per > vocab for t in range(tp)]
+
+
+def rank_roles(grid: RankGrid, vocab: int) -> list[tuple[int, bool]]:
+    """One representative global rank per distinct role (dp rank 0), with its padding flag: every pipeline
+    stage; on the stages that hold the embedding (first, last), one TP rank with and one without padding."""
+    pad = _padding_ranks(vocab, grid.tp_size)
+    out = []
+    for p in range(grid.pp_size):
+        has_vocab = p in (0, grid.pp_size - 1)
+        seen: set[bool] = set()
+        for t in range(grid.tp_size):
+            flag = pad[t] if has_vocab else False
+            if flag not in seen:
+                seen.add(flag)
+                out.append((grid.rank_of(p, 0, t), flag))
+    return out
+
+
+def _volumes(breakdown: dict[tuple[str, str, str], int]) -> dict[str, int]:
+    vols: dict[str, int] = {}
+    for (g, _op, _tag), n in breakdown.items():
+        vols[g] = vols.get(g, 0) + n
+    return vols
+
+
+def run_role(cfg: Config, grid: RankGrid, rank: int, c: Cluster | None = None) -> RoleResult:
+    """Run one training step as global ``rank`` of ``grid`` on a fake process group and the meta device."""
+    start = time.perf_counter()
+    if dist.is_initialized():
+        raise RuntimeError("the dry run starts its own (fake) process group; call it with none initialised")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group(DRY_BACKEND, store=FakeStore(), rank=rank, world_size=grid.world_size)
+    try:
+        ctx = ParallelContext.from_grid(grid)
+        device = torch.device("meta")
+        with device:  # parameters are created without storage (no weights, no initialisation cost)
+            engine = Engine(cfg, ctx, device)
+        t = cfg.training
+        ids = torch.zeros(t.micro_batch_size, cfg.model.seq_len, dtype=torch.long)  # on the host, like collate
+        batch = [(ids, ids) for _ in range(t.gradient_accumulation_steps)]
+        tracker = PeakMemoryTracker(device, lambda: zero_buffers(engine.optimizer), engine.chunks)
+        with host.use(host.PlaceholderHost()) as reader, tracker:
+            engine.train_step(batch)
+        peak = tracker.result()
+        states = engine.optimizer.model_state_bytes()
+        breakdown = ctx.ledger.last_step()
+        result = RoleResult(
+            rank=rank, pp_rank=ctx.pp_rank, tp_rank=ctx.tp_rank, holds_vocab_padding=False, states=states,
+            peak_bytes=int(peak["peak_bytes"]), peak_by_category=dict(peak["peak_by_category"]),
+            volumes=_volumes(breakdown), breakdown=ctx.ledger.breakdown_last_step(), host_reads=reader.reads)
+        if c is not None:
+            result.step_seconds = _roofline(cfg, grid, rank, breakdown, c)
+    finally:
+        dist.destroy_process_group()
+    result.wall_seconds = time.perf_counter() - start
+    return result
+
+
+def _roofline(cfg: Config, grid: RankGrid, rank: int, breakdown: dict[tuple[str, str, str], int],
+              c: Cluster) -> dict[str, float]:
+    """Roofline step time of this rank from the volumes it recorded."""
+    m, t = cfg.model, cfg.training
+    crosses = {k: group_nodes(grid.group_of(k, rank), c.gpus_per_node) > 1 for k in ("tp", "pp", "dp")}
+    tp_el = sum(n for (g, _o, _t), n in breakdown.items() if g == "tp")
+    pp_el = sum(n for (g, o, _t), n in breakdown.items() if g == "pp" and o == "send")
+    grad_el = sum(n for (g, _o, tag), n in breakdown.items() if g == "dp" and tag == "grad")
+    param_el = sum(n for (g, _o, tag), n in breakdown.items() if g == "dp" and tag == "param")
+    v = cfg.parallel.virtual_stages if cfg.parallel.pp_schedule == "interleaved" else 1
+    st = step_time(c=c, precision=t.precision, global_batch=t.global_batch_size, seq_len=m.seq_len,
+                   num_layers=m.num_layers, hidden=m.hidden_size, vocab=m.vocab_size,
+                   checkpointing=cfg.activation_checkpointing.mode, tp=grid.tp_size, pp=grid.pp_size,
+                   dp=grid.dp_size, micro_batches=t.gradient_accumulation_steps, virtual_stages=v,
+                   tp_elements=tp_el, pp_elements=pp_el, dp_grad_elements=grad_el, dp_param_elements=param_el,
+                   grad_bytes=2 if t.precision == "fp16" else 4, owned_params=0.0,
+                   offload=cfg.zero.offload_optimizer is not None, tp_crosses=crosses["tp"],
+                   pp_crosses=crosses["pp"], dp_crosses=crosses["dp"])
+    return st.as_dict()
+
+
+def dry_run(cfg: Config, c: Cluster, log_dir: str | None = None) -> DryRunReport:
+    """Dry-run every rank role of ``cfg`` (resolved for its world) and judge whether it fits ``c``."""
+    start = time.perf_counter()
+    p, m, t = cfg.parallel, cfg.model, cfg.training
+    if cfg.zero.offload_optimizer or cfg.zero.offload_param:
+        raise ValueError("--dry-run does not support --offload-optimizer/--offload-param yet (their host buffers "
+                         "would copy from meta tensors); dry-run without offload, or estimate offload with "
+                         "tools/estimate_memory.py")
+    grid = RankGrid(p.tp_size * p.pp_size * p.dp_size, p.tp_size, p.pp_size, p.dp_size)
+    roles = []
+    for rank, padded in rank_roles(grid, m.vocab_size):
+        res = run_role(cfg, grid, rank, c)
+        res.holds_vocab_padding = padded
+        roles.append(res)
+    schedule = p.pp_schedule if p.pp_size > 1 else "1f1b"
+    v = p.virtual_stages if schedule == "interleaved" else 1
+    bubble = simulate(schedule, p.pp_size, t.gradient_accumulation_steps, v).bubble_fraction if p.pp_size > 1 else 0.0
+    usable = c.usable_memory_bytes
+    worst = max(roles, key=lambda r: r.peak_bytes)
+    fits = worst.peak_bytes <= usable
+    if fits:
+        verdict = (f"fits: the largest peak is rank {worst.rank}'s {worst.peak_bytes / 1e9:.2f} GB of "
+                   f"{usable / 1e9:.1f} GB usable on {c.gpu.name}")
+    else:
+        cat = max(worst.peak_by_category, key=worst.peak_by_category.get)
+        verdict = (f"does not fit: rank {worst.rank} (pp {worst.pp_rank}, tp {worst.tp_rank}) peaks at "
+                   f"{worst.peak_bytes / 1e9:.2f} GB > {usable / 1e9:.1f} GB usable on {c.gpu.name}; its largest "
+                   f"category is {cat} ({worst.peak_by_category[cat] / 1e9:.2f} GB)")
+    report = DryRunReport(
+        topology={"tp": p.tp_size, "pp": p.pp_size, "dp": p.dp_size, "world_size": grid.world_size,
+                  "zero_stage": cfg.zero.stage, "schedule": schedule, "virtual_stages": v,
+                  "micro_batches": t.gradient_accumulation_steps, "micro_batch_size": t.micro_batch_size,
+                  "precision": t.precision, "gpus_per_node": c.gpus_per_node},
+        roles=roles, bubble_fraction=bubble, usable_memory_bytes=usable, gpu=c.gpu.name, fits=fits,
+        verdict=verdict, wall_seconds=time.perf_counter() - start)
+    if log_dir:
+        os.makedirs(log_dir, exist_ok=True)
+        with open(os.path.join(log_dir, "dryrun.json"), "w") as f:
+            json.dump(report.as_dict(), f, indent=1)
+    return report
+
+
+def format_report(r: DryRunReport) -> str:
+    """The report as a table, one row per rank role."""
+    big = max([x.peak_bytes for x in r.roles] + [1])
+    unit, gb = ("GB", 1e9) if big >= 1e9 else ("MB", 1e6)
+    tp = r.topology
+    head = ["rank", "pp", "tp", "pad", f"states {unit}", f"peak {unit}", "params", "grads", "master", "optim", "acts",
+            "comm", "other", "TP Melem", "PP Melem", "DP Melem", "reads", "step s", "dry s"]
+    rows = []
+    for x in r.roles:
+        s = x.states
+        c = x.peak_by_category
+        states = sum(s.get(k, 0) for k in ("params_bytes", "grads_bytes", "master_params_bytes",
+                                           "optimizer_states_bytes")) - s.get("offloaded_bytes", 0)
+        rows.append([str(x.rank), str(x.pp_rank), str(x.tp_rank), "y" if x.holds_vocab_padding else "-",
+                     f"{states / gb:.2f}", f"{x.peak_bytes / gb:.2f}",
+                     *(f"{c.get(k, 0) / gb:.2f}" for k in ("params", "grads", "master_params", "optimizer_states",
+                                                          "activations", "comm_buffers", "other")),
+                     *(f"{x.volumes.get(g, 0) / 1e6:.1f}" for g in ("tp", "pp", "dp")), str(x.host_reads),
+                     f"{x.step_seconds.get('total_s', 0):.3f}", f"{x.wall_seconds:.1f}"])
+    widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
+    lines = [f"megazero dry run: tp {tp['tp']} x pp {tp['pp']} x dp {tp['dp']} = {tp['world_size']} ranks, ZeRO "
+             f"{tp['zero_stage']}, {tp['precision']}, {tp['micro_batches']} micro-batches of {tp['micro_batch_size']}"
+             f" ({tp['schedule']}); {len(r.roles)} rank roles in {r.wall_seconds:.1f} s",
+             ""]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in [head, *rows]]
+    lines += ["", f"pipeline bubble: {r.bubble_fraction:.1%} of compute (simulated schedule)",
+              "peak: live tensors by category at the step's peak (the tracker of metrics.jsonl); Melem: elements"
+              " per step as the ledger counts them (all-reduce 2n); step s: roofline estimate on "
+              f"{tp['gpus_per_node']}-GPU nodes of {r.gpu}",
+              f"verdict: {r.verdict}"]
+    return "\n".join(lines)
