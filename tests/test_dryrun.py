@@ -126,3 +126,18 @@ def test_command_line(tmp_path):
                          timeout=300, env={**os.environ, "PYTHONPATH": root})
     assert out.returncode == 0, out.stderr[-2000:]
     assert "verdict: fits" in out.stdout and (tmp_path / "dryrun.json").exists()
+
+
+def test_host_seam_is_scoped_and_tells_meta_storages_apart():
+    from megazero import host
+
+    t = torch.tensor([1.5, 2.0])
+    assert host.read(t) == [1.5, 2.0]
+    a = torch.empty(8, device="meta")
+    with host.use(host.PlaceholderHost(3.0)) as h:
+        assert host.read(a[:2]) == [3.0, 3.0] and host.read(t) == [1.5, 2.0] and h.reads == 2
+    assert isinstance(host.current(), host.DeviceHost) and not isinstance(host.current(), host.PlaceholderHost)
+    with pytest.raises(NotImplementedError):
+        host.read(a)  # outside the dry run a meta read fails, as it should
+    b = torch.empty(8, device="meta")
+    assert host.storage_key(a) == host.storage_key(a[3:]) != host.storage_key(b)

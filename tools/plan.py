@@ -30,7 +30,7 @@ from megazero.config import PRESETS, ConfigError, model_preset
 from megazero.planner import Plan, search, torchrun_command
 from megazero.roofline import GPUS, cluster
 
-__all__ = ["build_parser", "main", "report"]
+__all__ = ["build_parser", "confirm", "main", "report"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--memory-fraction", type=float, default=0.9,
                    help="usable share of device memory (default 0.9)")
     p.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")
+    p.add_argument("--confirm", type=int, default=0, metavar="N",
+                   help="dry-run the N fastest layouts (every rank role, the real step on meta tensors) and "
+                        "print their measured peaks (default 0; minutes for large models)")
     return p
 
 
@@ -125,7 +128,30 @@ def main(argv: list[str] | None = None) -> int:
     model_flags = ["--model", args.model] + [f"--{k.replace('_', '-')} {v}" for k, v in shape.items()
                                              if v is not None]
     print(report(plans, tried, time.perf_counter() - start, args, model_flags, c))
+    if args.confirm and plans:
+        print("\n" + confirm(plans[:args.confirm], model_flags, args, c))
     return 0 if plans else 1
+
+
+def confirm(plans: list[Plan], model_flags: list[str], args: argparse.Namespace, c) -> str:
+    """Dry-run each plan (megazero/dryrun.py) and set its measured peak beside the estimate."""
+    from megazero.cli import parse_args
+    from megazero.dryrun import dry_run
+
+    lines = ["dry runs (measured on the real step; python pretrain/gpt.py --dry-run <flags>):"]
+    for i, pl in enumerate(plans):
+        lay = pl.layout
+        flags = " ".join(model_flags).split() + lay.flags() + ["--global-batch-size", str(args.global_batch_size),
+                                                                "--precision", args.precision]
+        if lay.offload:
+            lines.append(f"  #{i + 1}: skipped (the dry run does not support offload yet)")
+            continue
+        cfg = parse_args(flags).resolve(lay.tp * lay.pp * lay.dp)
+        rep = dry_run(cfg, c)
+        worst = max(r.peak_bytes for r in rep.roles)
+        lines.append(f"  #{i + 1}: measured peak {worst / 1e9:.2f} GB vs estimated {pl.peak_bytes / 1e9:.2f} GB; "
+                     f"{rep.verdict} ({len(rep.roles)} roles, {rep.wall_seconds:.0f} s)")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
