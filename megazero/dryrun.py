@@ -114,8 +114,8 @@ def run_role(cfg: Config, grid: RankGrid, rank: int, c: Cluster | None = None) -
 
     dist.init_process_group(DRY_BACKEND, store=FakeStore(), rank=rank, world_size=grid.world_size)
     try:
-        ctx = ParallelContext.from_grid(grid)
         device = torch.device("meta")
+        ctx = ParallelContext.from_grid(grid, device=device)  # Group checks every tensor against meta
         with device:  # parameters are created without storage (no weights, no initialisation cost)
             engine = Engine(cfg, ctx, device)
         t = cfg.training

@@ -273,8 +273,6 @@ def full_state_dict(model: nn.Module, tp_group: Group | None = None) -> dict[str
     """The unsharded, unpadded fp32 parameters (a collective over ``tp_group``; every TP rank gets them)."""
     out = {}
     for name, p in model.named_parameters():
-        if p.is_meta:  # no storage to fill (the dry run)
-            continue
         spec = p.shard_spec
         if spec.partition_dim is None or tp_group is None or tp_group.size == 1:
             shards = [p.detach().float()]
@@ -310,5 +308,7 @@ def parameter_initializer(chunks: list[nn.Module], seed: int, tp_group: Group | 
     """For a model built on the meta device: a function giving one parameter's initial fp32 value on
     ``device``, bit-identical to :func:`init_parameters` on each of ``chunks`` (ZeRO's sharded initialisation
     materialises one gather unit at a time with it)."""
+    if torch.device(device).type == "meta":  # the dry run: shapes only, nothing to compute
+        return lambda p: torch.empty(p.shape, dtype=torch.float32, device=device)
     names = {p: n for chunk in chunks for n, p in chunk.named_parameters()}
     return lambda p: initial_value(p, names[p], seed, tp_group).to(device)

@@ -90,7 +90,7 @@ class Stage3Params:
         self.grad_dtype = grad_reduce_dtype(cfg, dtype)
         self.max_inflight = max(1, int(getattr(cfg, "max_inflight_buckets", 2)))
         self.device = device or next(p.device for p in model.parameters())
-        if self.device.type == "meta":
+        if self.device.type == "meta" and param_init is None:  # the dry run gives both on meta
             raise ValueError("a model built on the meta device needs the ZeRO-3 store's device and param_init")
         self.chunks = [c for _, c in model_chunks(model)]
         threshold = cfg.stage3_param_persistence_threshold
