@@ -18,7 +18,7 @@ from megazero.checkpoint import FAULT_ENV, CheckpointReader, find_checkpoint, li
 from megazero.cli import parse_args
 from megazero.trainer import run_training
 from tests import launch
-from tests.common import SMALL_FLAGS, assert_matches_reference, merge_runs, train_runs
+from tests.common import SMALL_FLAGS, assert_matches_reference, merge_runs, normwise_error, train_runs
 from tests.dist import WorldError, run_world
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,6 +135,7 @@ def resumed(data_cache, tmp_path_factory):
         base = [*DP2, "--train-steps", "6", *(["--deepspeed-config", str(ck / "ds.json")] if prec == "fp16" else [])]
         runs += [[*base, "--save", f"{ck}/{prec}", "--save-interval", "3"],
                  [*base, "--load", f"{ck}/{prec}/step_00000003"]]
+    runs.append([*DP2, "--train-steps", "6", "--precision", "bf16", "--load", f"{ck}/fp32/step_00000003"])
     results = merge_runs(run_world(train_runs, 2, runs, data_cache, str(ck / "logs")))
     return {"ck": ck, "runs": results}
 
@@ -148,6 +149,16 @@ def test_resume_is_exact_at_the_same_topology(resumed):
     a, b = _records(ck / "logs" / "2-2"), _records(ck / "logs" / "2-3")  # train_runs' log dirs of the fp16 runs
     assert [r["loss_scale"] for r in a[3:]] == [r["loss_scale"] for r in b]
     assert len({r["loss_scale"] for r in a}) > 1  # the loss scale moved, so its restored state mattered
+
+
+def test_fp32_checkpoint_resumes_in_bf16(resumed):
+    """README: resume at another precision. The fp32 step-3 checkpoint continued in bf16 tracks the fp32 run's
+    steps 4-6 within bf16 tolerances (tests/test_mixed_precision.py), and is far from a restart."""
+    (full_losses, full_state), (losses, state) = resumed["runs"][0], resumed["runs"][4]
+    worst = max(abs(a - b) / b for a, b in zip(losses, full_losses[3:]))
+    assert len(losses) == 3 and worst < 2e-3, (losses, full_losses)
+    assert normwise_error(state, full_state) < 2e-2
+    assert losses[0] < full_losses[0] - 0.3  # it continued from step 3, it did not start again
 
 
 def _refusals(ctx, cache: str, ck: str, bad: dict[str, str]) -> dict[str, str]:
