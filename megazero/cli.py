@@ -85,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
         "memory and step on the CPU (ZeRO-Offload; stages 1-3)", action="store_const", const="cpu")
     add(g, "--offload-param", "zero.offload_param", "keep ZeRO-3 parameter shards in host memory",
         action="store_const", const="cpu")
+    add(g, "--max-inflight-buckets", "zero.max_inflight_buckets", "ZeRO-2: most gradient buckets being filled or "
+        "reduced at once during backward; each holds one bucket (reduce_bucket_size) in --grad-dtype", type=int)
+    add(g, "--grad-dtype", "zero.grad_dtype", "dtype gradients are accumulated over micro-batches and reduced over "
+        "DP in (DeepSpeed: communication_data_type, data_types.grad_accum_dtype): auto is fp32 in bf16 (4 bytes per "
+        "parameter, as Megatron-LM and DeepSpeed's bf16 optimizer) and the model dtype in fp16 (2 bytes, the ZeRO "
+        "paper's 2Ψ); fp32; model", choices=("auto", "fp32", "model"))
     add(g, "--activation-checkpointing", "activation_checkpointing.mode", "recompute activations in backward",
         choices=CHECKPOINTING_MODES)
     add(g, "--backend", "parallel.backend", "torch.distributed backend; None picks nccl on CUDA, else gloo",
@@ -120,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int)
     add(g, "--weight-decay", "optimizer.weight_decay", "weight decay", type=float)
     add(g, "--clip-grad", "optimizer.clip_grad", "global gradient-norm clip, 0 disables", type=float)
+    add(g, "--max-skipped-steps", "optimizer.max_skipped_steps", "without fp16 loss scaling, a step whose gradient "
+        "norm is not finite is skipped on every rank; stop after this many in a row, 0 never stops", type=int)
     add(g, "--adam-beta1", "optimizer.beta1", "Adam beta1", type=float)
     add(g, "--adam-beta2", "optimizer.beta2", "Adam beta2", type=float)
     add(g, "--adam-eps", "optimizer.eps", "Adam epsilon", type=float)

@@ -122,6 +122,8 @@ class ZeroConfig:
     offload_param: str | None = None  # "cpu": ZeRO-3 parameter shards in host memory
     offload_optimizer_pin_memory: bool = False  # zero_optimization.offload_optimizer.pin_memory
     offload_param_pin_memory: bool = False  # zero_optimization.offload_param.pin_memory
+    max_inflight_buckets: int = 2  # stage 2: buckets being filled or reduced at once (staging buffers)
+    grad_dtype: str = "auto"  # accumulate/reduce gradients in: auto (fp32 for bf16, else model), fp32, model
 
 
 @dataclass
@@ -139,6 +141,7 @@ class OptimizerConfig:
     weight_decay: float = 0.1
     decoupled_weight_decay: bool = True
     clip_grad: float = 1.0  # 0 disables clipping
+    max_skipped_steps: int = 10  # stop after this many consecutive non-finite-norm steps (no loss scaler); 0 never
 
 
 @dataclass
@@ -252,6 +255,7 @@ WARMUP_TYPES = ("linear", "log")
 CHECKPOINTING_MODES = ("none", "full", "selective")
 BACKENDS = ("gloo", "nccl")
 WANDB_MODES = ("online", "offline", "disabled")
+GRAD_DTYPES = ("auto", "fp32", "model")  # megazero.zero.grads: the dtype gradients are accumulated/reduced in
 
 
 
@@ -358,6 +362,7 @@ def resolve_config(cfg: Config, world_size: int) -> Config:
     _require(o.eps > 0, f"--adam-eps must be positive, got {o.eps}")
     _require(o.weight_decay >= 0, f"--weight-decay must be non-negative, got {o.weight_decay}")
     _require(o.clip_grad >= 0, f"--clip-grad (gradient_clipping) must be >= 0 (0 disables), got {o.clip_grad}")
+    _require(o.max_skipped_steps >= 0, f"--max-skipped-steps must be >= 0 (0 never stops), got {o.max_skipped_steps}")
     _choice("--lr-schedule (scheduler.type)", s.name, SCHEDULES)
     _choice("warmup type (scheduler.params.warmup_type)", s.warmup_type, WARMUP_TYPES)
     _require(s.warmup_type == "linear" or s.name.startswith("warmup_"),
@@ -399,6 +404,12 @@ def resolve_config(cfg: Config, world_size: int) -> Config:
     for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
                 "stage3_max_live_parameters"):
         _require(getattr(z, key) >= 1, f"zero_optimization.{key} must be positive, got {getattr(z, key)}")
+    _require(z.max_inflight_buckets >= 1, f"--max-inflight-buckets must be >= 1, got {z.max_inflight_buckets}")
+    _choice("--grad-dtype (communication_data_type, data_types.grad_accum_dtype)", z.grad_dtype,
+            (*GRAD_DTYPES, "bf16", "fp16"))
+    _require(z.grad_dtype not in ("bf16", "fp16") or z.grad_dtype == t.precision,
+             f"gradients in {z.grad_dtype} (communication_data_type / data_types.grad_accum_dtype) with --precision "
+             f"{t.precision}: megazero keeps gradients in fp32 or in the model dtype; use fp32 or {t.precision}")
     _require(z.stage3_param_persistence_threshold >= 0, "zero_optimization.stage3_param_persistence_threshold "
              f"must be >= 0, got {z.stage3_param_persistence_threshold}")
     _require(z.stage3_max_reuse_distance >= 0, "zero_optimization.stage3_max_reuse_distance must be >= 0, got "

@@ -76,6 +76,7 @@ SUPPORTED_KEYS: frozenset[str] = frozenset({
     "zero_optimization.offload_param.pin_memory",
     "activation_checkpointing", "activation_checkpointing.partition_activations",
     "activation_checkpointing.cpu_checkpointing",
+    "communication_data_type", "data_types", "data_types.grad_accum_dtype",
 })
 
 # (b) Keys accepted and ignored, with why that is harmless. A block here is ignored whole.
@@ -117,8 +118,8 @@ NOT_SUPPORTED_KEYS: Mapping[str, object] = MappingProxyType({
     "amp": _DISABLED, "sparse_attention": _NEVER, "pipeline": _NEVER, "curriculum_learning": _DISABLED,
     "data_efficiency": _DISABLED, "compression_training": _NEVER, "elasticity": _DISABLED,
     "autotuning": _DISABLED, "eigenvalue": _DISABLED, "progressive_layer_drop": _DISABLED,
-    "quantize_training": _DISABLED, "hybrid_engine": _DISABLED, "nebula": _DISABLED, "data_types": _NEVER,
-    "communication_data_type": None, "seq_parallel_communication_data_type": None, "fp32_allreduce": False,
+    "quantize_training": _DISABLED, "hybrid_engine": _DISABLED, "nebula": _DISABLED,
+    "seq_parallel_communication_data_type": None, "fp32_allreduce": False,
     "sparse_gradients": False, "gradient_predivide_factor": 1.0,
     "optimizer.params.amsgrad": False, "optimizer.params.bias_correction": True,
     "scheduler.params.last_batch_iteration": -1,
@@ -374,6 +375,7 @@ def _map(raw: Mapping[str, Any], out: DeepSpeedSettings) -> None:
     _map_optimizer(raw.get("optimizer"), out)
     _map_scheduler(raw.get("scheduler"), out)
     _map_precision(raw, out)
+    _map_grad_dtype(raw, out)
     zero = raw.get("zero_optimization") or {}
     z = "zero_optimization."
     _put(out, zero, z, "stage", "zero.stage", _stage)
@@ -389,6 +391,20 @@ def _map(raw: Mapping[str, Any], out: DeepSpeedSettings) -> None:
     ac = raw.get("activation_checkpointing") or {}
     for key in ("partition_activations", "cpu_checkpointing"):
         _put(out, ac, "activation_checkpointing.", key, f"activation_checkpointing.{key}", _bool)
+
+
+def _map_grad_dtype(raw: Mapping[str, Any], out: DeepSpeedSettings) -> None:
+    """``communication_data_type`` and ``data_types.grad_accum_dtype``: megazero accumulates and reduces
+    gradients in one dtype (``zero.grad_dtype``), so the two must agree when both are given."""
+    def read(path: str, v: Any) -> str:
+        return _str(path, v, ("fp32", "bf16", "fp16"))
+
+    _put(out, raw, "", "communication_data_type", "zero.grad_dtype", read)
+    first = out.values.get("zero.grad_dtype"), out.sources.get("zero.grad_dtype")
+    _put(out, raw.get("data_types") or {}, "data_types.", "grad_accum_dtype", "zero.grad_dtype", read)
+    if first[0] is not None and out.values["zero.grad_dtype"] != first[0]:
+        raise ConfigError(f"{first[1]} and {out.sources['zero.grad_dtype']} disagree: megazero accumulates and "
+                          "reduces gradients in one dtype; make them equal or drop one")
 
 
 def _map_optimizer(opt: Mapping[str, Any] | None, out: DeepSpeedSettings) -> None:

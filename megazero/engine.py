@@ -161,7 +161,7 @@ class Engine:
         for chunk in self.chunks:
             chunk.train()
         opt = self.optimizer
-        opt.zero_grad()
+        opt.zero_grad(micro_batches=len(micro_batches))
         tokens = self._global_tokens(micro_batches)
         sched = (self.schedule, self.ctx.pp_size, self.ctx.pp_rank, len(micro_batches), self.virtual_stages)
         stats = self.executor.run(build_schedule(*sched), micro_batches, tokens, opt.backward,

@@ -151,12 +151,16 @@ class ModelStateBytes:
 
 def model_state_bytes(numels: Sequence[int] | float, stage: int, dp_size: int, precision: str = "bf16",
                       persistence_threshold: int = 0, offload_optimizer: bool = False,
-                      offload_param: bool = False) -> ModelStateBytes:
+                      offload_param: bool = False, grad_dtype: str = "auto") -> ModelStateBytes:
     """Per-rank model-state bytes of a replica of ``numels`` parameters (a list, or just their total Ψ_r).
 
     ``persistence_threshold`` applies at stage 3 and needs the per-parameter list. ``offload_optimizer``
     moves the fp32 master copy and Adam moments to host memory, ``offload_param`` (stage 3) the parameter
-    shards as well; both count in ``offloaded``.
+    shards as well; both count in ``offloaded``, with the fp32 host copy of the owned gradients that offload
+    adds to ``grads``. ``grad_dtype`` (``--grad-dtype``) sets the gradient bytes g
+    per parameter: ``auto`` is 4 in bf16 (fp32 accumulation and reduction) and the model's in fp16/fp32,
+    ``fp32`` 4, ``model`` the model's (the ZeRO paper's 2Ψ). bf16 with fp32 gradients holds 18Ψ at stage 0,
+    6Ψ + 12Ψ/Nd at stage 1 and 2Ψ + 16Ψ/Nd at stage 2.
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0-3, got {stage}")
@@ -166,13 +170,18 @@ def model_state_bytes(numels: Sequence[int] | float, stage: int, dp_size: int, p
     psi = sum(sizes)
     persistent = sum(n for n in sizes if n <= persistence_threshold) if stage == 3 else 0.0
     e, nd = ELEMENT_BYTES[precision], dp_size
+    if grad_dtype not in ("auto", "fp32", "model", precision):
+        raise ValueError(f"grad_dtype must be auto, fp32 or model, got {grad_dtype!r}")
+    g = 4 if grad_dtype == "fp32" or (grad_dtype == "auto" and precision == "bf16") else e
     params = e * persistent + e * (psi - persistent) / nd if stage == 3 else e * psi
-    grads = e * psi / nd if stage >= 2 else e * psi
+    grads = g * psi / nd if stage >= 2 else g * psi
     owned = psi / nd if stage >= 1 else psi
     # fp32: the parameters are their own master copy, unless offload keeps a separate one in host memory
     master = 4 * owned if e != 4 or offload_optimizer else 0.0
     states = 8 * owned  # Adam's two fp32 moments
-    offloaded = (master + states if offload_optimizer else 0.0) + (
+    host_grads = 4 * owned if offload_optimizer else 0.0  # the fp32 host copy Adam reads, allocated once
+    grads += host_grads
+    offloaded = (master + states + host_grads if offload_optimizer else 0.0) + (
         e * (psi - persistent) / nd if offload_param and stage == 3 else 0.0)
     return ModelStateBytes(params, grads, master, states, offloaded)
 

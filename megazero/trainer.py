@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 import sys
 import time
@@ -105,7 +104,7 @@ def _step_record(cfg: Config, ctx: ParallelContext, engine: Engine, res: StepRes
     return {
         "step": res.step, "loss": res.loss, "eval_loss": eval_loss, "lr": res.lr, "grad_norm": res.grad_norm,
         "loss_scale": res.loss_scale, **speed,
-        "micro_batches": res.micro_batches, "skipped": res.skipped,
+        "micro_batches": res.micro_batches, "skipped": res.skipped, "skipped_steps": engine.optimizer.skipped_steps,
         "memory": [g["memory"] for g in gathered], "comm": [g["comm"] for g in gathered],
     }
 
@@ -185,8 +184,7 @@ def run_training(cfg: Config, ctx: ParallelContext, device: torch.device | None 
             if prompts and ((t.eval_interval and step % t.eval_interval == 0) or step == t.train_steps):
                 samples = generate_samples(engine, tokenizer, prompts, cfg.logging.sample_tokens)
                 summary.samples.append((step, samples))
-            if not math.isfinite(res.loss):
-                raise FloatingPointError(f"loss is {res.loss} at step {step}; lower --lr or use --clip-grad")
+            engine.optimizer.check_skipped_steps(step)  # non-finite gradient norms: skipped, stop after too many
             if logged or samples:
                 record = _step_record(cfg, ctx, engine, res, untracked_seconds or step_seconds, eval_loss,
                                       peak_tracker.result() if logged else None)

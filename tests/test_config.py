@@ -183,7 +183,6 @@ def test_deepspeed_ignored_keys_warn(tmp_path: Path) -> None:
     ({"sparse_attention": {"mode": "fixed"}}, "sparse_attention"),
     ({"pipeline": {"stages": 2}}, "pipeline"),
     ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
-    ({"communication_data_type": "fp16"}, "communication_data_type"),
     ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "zero_optimization.zero_quantized_weights"),
     ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, "zero_optimization.zero_hpz_partition_size"),
     ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, "fp16.fp16_master_weights_and_grads"),

@@ -121,7 +121,8 @@ def test_estimated_model_states_equal_measured_bytes(world):
         for rec in mem:
             numels = rank_parameter_numels(cfg.model, cfg.parallel.tp_size, cfg.parallel.pp_size, rec["pp_rank"])
             est = model_state_bytes(list(numels.values()), cfg.zero.stage, cfg.parallel.dp_size,
-                                    cfg.training.precision, cfg.zero.stage3_param_persistence_threshold)
+                                    cfg.training.precision, cfg.zero.stage3_param_persistence_threshold,
+                                    grad_dtype=cfg.zero.grad_dtype)
             for key, expected in est.as_record().items():
                 measured = rec[key]
                 assert abs(measured - expected) <= 0.01 * expected, (topology, name, rec["rank"], key, measured,
@@ -268,11 +269,15 @@ def test_megatron_flops_mfu_and_hfu_by_hand(monkeypatch):
 
 
 def test_zero_paper_figures():
-    """7.5B parameters, Nd = 64, mixed precision with Adam: 120 / 31.4 / 16.6 / 1.9 GB (ZeRO paper, Fig. 1)."""
-    totals = [model_state_bytes(7.5e9, s, 64, "bf16").total / 1e9 for s in range(4)]
+    """7.5B parameters, Nd = 64, mixed precision with Adam and 16-bit gradients: 120 / 31.4 / 16.6 / 1.9 GB (ZeRO
+    paper, Fig. 1); bf16's default fp32 gradients: 18Ψ = 135 GB at stage 0, 2Ψ + 16Ψ/Nd = 16.9 GB at stage 2."""
+    totals = [model_state_bytes(7.5e9, s, 64, "bf16", grad_dtype="model").total / 1e9 for s in range(4)]
+    assert model_state_bytes(7.5e9, 0, 64, "fp16").total / 1e9 == pytest.approx(120.0)
+    fp32_grads = [model_state_bytes(7.5e9, s, 64, "bf16").total / 1e9 for s in range(3)]
+    assert fp32_grads == pytest.approx([135.0, 46.40625, 16.875])
     assert totals == pytest.approx([120.0, 31.40625, 16.640625, 1.875])
     r = subprocess.run([sys.executable, str(ROOT / "tools" / "estimate_memory.py"), "--params", "7.5e9", "--dp",
-                        "64"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+                        "64", "--grad-dtype", "model"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     rows = [line.split() for line in r.stdout.splitlines() if line[:1] in (" ", "*") and line.split()[0] in "0123"]
     header = next(line.split("  ") for line in r.stdout.splitlines() if line.startswith("ZeRO"))

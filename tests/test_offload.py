@@ -107,8 +107,9 @@ def test_offloaded_bytes_come_from_tensor_devices_with_meta_as_the_accelerator()
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_offload_split_is_pinned_and_matches_the_estimator():
-    """On a GPU: ZeRO-2 with the optimizer offloaded keeps 2Ψ + 2Ψ/Nd on the device (Nd = 1 here: params and
-    gradients) and master + moments (12Ψ) pinned in host memory, as the estimator says."""
+    """On a GPU: ZeRO-2 with the optimizer offloaded keeps 2Ψ + 4Ψ/Nd on the device (Nd = 1 here: params and fp32
+    gradients) and master + moments (12Ψ) and the fp32 gradient copy (4Ψ) pinned in host memory, as the
+    estimator says."""
     from megazero.config import ModelConfig, OptimizerConfig, ZeroConfig
     from megazero.distributed import Group
     from megazero.model.gpt import GPT, init_parameters
@@ -126,7 +127,7 @@ def test_cuda_offload_split_is_pinned_and_matches_the_estimator():
     opt.backward(model(x, x).sum() / x.numel())
     opt.step(1e-3)
     m = opt.model_state_bytes()
-    host = [opt.master, opt.exp_avg, opt.exp_avg_sq]
+    host = [opt.master, opt.exp_avg, opt.exp_avg_sq, opt._host_grads]  # + the fp32 gradient copy Adam reads
     assert all(t.device.type == "cpu" and t.is_pinned() for t in host)
     assert m["offloaded_bytes"] == _nbytes(*host)
     est = model_state_bytes(psi, 2, 1, "bf16", offload_optimizer=True)

@@ -180,15 +180,32 @@ def _dp_volume(ctx, cache: str):
                 volumes.append(ctx.ledger.dp_volume_last_step())
             psi = sum(p.numel() for c in engine.chunks for p in c.parameters())
             out[(stage, m)] = (volumes, engine.optimizer.padded_numel(), psi)
+    for stage in (1, 2):  # interleaved, 2 chunks per rank, m = 2: each backward reduces only its own chunk
+        cfg = parse_args([*PP_MODEL, "--pp", "2", "--pp-schedule", "interleaved", "--virtual-stages", "2",
+                          "--zero-stage", str(stage), "--micro-batch-size", "2", "--global-batch-size",
+                          str(4 * ctx.dp_size), "--vocab-size", "512", "--seq-len", "32", "--hidden-size", "64",
+                          "--num-heads", "4", "--cache-dir", cache]).resolve(ctx.world_size)
+        engine = Engine(cfg, ctx)
+        gen = torch.Generator().manual_seed(ctx.dp_rank)
+        batch = [(torch.randint(0, 512, (2, 32), generator=gen), torch.randint(0, 512, (2, 32), generator=gen))
+                 for _ in range(2)]
+        volumes = []
+        for _ in range(2):
+            engine.train_step(batch)
+            volumes.append(ctx.ledger.dp_volume_last_step())
+        psi = sum(p.numel() for c in engine.chunks for p in c.parameters())
+        out[("interleaved", stage, 2)] = (volumes, engine.optimizer.padded_numel(), psi)
     return out
 
 
 def test_dp_volume_per_stage_with_micro_batches_matches_the_formula(data_cache):
     """With pipelining each stage's DP traffic follows its ZeRO formula in m on that stage's own Ψ_r:
     stages 0-1 2Ψ, stage 2 (m + 1)Ψ (reduce-scatter every micro-batch), stage 3 3mΨ (gather in forward and
-    backward, reduce-scatter gradients, every micro-batch)."""
+    backward, reduce-scatter gradients, every micro-batch). Under the interleaved schedule (2 chunks per rank)
+    stages 1-2 too: a chunk's backward reduces only that chunk's buckets."""
     for rank_result in run_world(_dp_volume, 4, data_cache, pp=2):
-        for (stage, m), (volumes, padded, psi) in rank_result.items():
+        for key, (volumes, padded, psi) in rank_result.items():
+            stage, m = key[-2:]  # ("interleaved", stage, m): v = 2 chunks per rank, still (m + 1)Ψ, not (mv + 1)Ψ
             w, g = padded["whole"], padded["gathered"]
             want = {0: 2 * w, 1: 2 * w, 2: (m + 1) * w, 3: 3 * m * g}[stage]
             assert volumes == [want, want], (stage, m, volumes, want)

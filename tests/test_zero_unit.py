@@ -90,3 +90,45 @@ def test_storage_bytes_counts_each_storage_once() -> None:
     freed = torch.zeros(8)
     freed.untyped_storage().resize_(0)
     assert storage_bytes([freed]) == 0
+
+
+def test_grad_dtype_choices_and_deepspeed_keys(tmp_path) -> None:
+    """--grad-dtype and DeepSpeed's communication_data_type / data_types.grad_accum_dtype choose the dtype
+    gradients are accumulated and reduced in: fp32 in bf16 and the model dtype in fp16 by default."""
+    import json
+
+    from megazero.cli import build_parser, parse_args
+    from megazero.config import ConfigError
+    from megazero.zero.grads import grad_dtype_for
+
+    assert grad_dtype_for("bf16") == torch.float32 and grad_dtype_for("fp16") == torch.float16
+    assert grad_dtype_for("bf16", "model") == torch.bfloat16 and grad_dtype_for("fp16", "fp32") == torch.float32
+    assert grad_dtype_for("bf16", "bf16") == torch.bfloat16 and grad_dtype_for("fp32", "model") == torch.float32
+    assert parse_args(["--grad-dtype", "model"]).zero.grad_dtype == "model"
+    assert "--grad-dtype" in build_parser().format_help() and "--max-skipped-steps" in build_parser().format_help()
+
+    def ds(cfg: dict, *flags: str):
+        path = tmp_path / "ds.json"
+        path.write_text(json.dumps(cfg))
+        return parse_args(["--deepspeed-config", str(path), *flags]).resolve(1)
+
+    assert ds({"bf16": {"enabled": True}, "communication_data_type": "fp32"}).zero.grad_dtype == "fp32"
+    assert ds({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}}).zero.grad_dtype == "bf16"
+    with pytest.raises(ConfigError, match="disagree"):
+        ds({"communication_data_type": "fp32", "data_types": {"grad_accum_dtype": "bf16"}})
+    with pytest.raises(ConfigError, match="model dtype"):
+        ds({"bf16": {"enabled": True}, "communication_data_type": "fp16"})
+    with pytest.raises(ConfigError, match="--max-inflight-buckets"):
+        parse_args(["--max-inflight-buckets", "0"]).resolve(1)
+
+
+def test_split_runs_cuts_at_segment_bounds() -> None:
+    from megazero.zero.grads import OwnedGrads, split_runs
+
+    assert split_runs([(0, 10), (12, 15)], [0, 4, 8, 13]) == [(0, 4), (4, 8), (8, 10), (12, 13), (13, 15)]
+    g = OwnedGrads([(0, torch.arange(4.0)), (4, torch.arange(3, dtype=torch.bfloat16))])
+    g.scale_(0.5)
+    assert g.fp32(1, 3).tolist() == [0.5, 1.0] and g.fp32(5, 7).tolist() == [0.5, 1.0]
+    assert g.slice(4, 7).dtype == torch.bfloat16 and g.slice(4, 7).tolist() == [0, 1, 2]  # never scaled in 16 bits
+    with pytest.raises(ValueError, match="spans two segments"):
+        g.slice(2, 6)

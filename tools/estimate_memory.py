@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("batch and activations")
     g.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16",
                    help="bf16/fp16: mixed precision with fp32 master (default); fp32: no master copy")
+    g.add_argument("--grad-dtype", choices=("auto", "fp32", "model"), default="auto",
+                   help="gradient accumulation/reduction dtype: auto = fp32 in bf16 (4 bytes/param), the model's "
+                   "in fp16 (2 bytes, the ZeRO paper's table); model = 2 bytes in bf16 too (default auto)")
     g.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch (default 1)")
     g.add_argument("--activation-checkpointing", choices=("none", "selective", "full"), default="none")
     g.add_argument("--partition-activations", action="store_true",
@@ -138,7 +141,7 @@ def estimate(args: argparse.Namespace) -> str:
         groups: list[tuple[list[int], list[str]]] = []
         for r, (numels, act, k, _layers, extra) in enumerate(per_stage):
             ms = model_state_bytes(numels, stage, args.dp, args.precision, args.persistence_threshold,
-                                   args.offload_optimizer, args.offload_param and stage == 3)
+                                   args.offload_optimizer, args.offload_param and stage == 3, args.grad_dtype)
             acts = None if act is None else act * k + extra
             cells = [_count(sum(numels)), _size(ms.params, unit), _size(ms.grads, unit),
                      _size(ms.master_params, unit), _size(ms.optimizer_states, unit), _size(ms.device, unit),

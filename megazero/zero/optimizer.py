@@ -60,12 +60,17 @@ from torch import nn
 
 from megazero.config import LossScaleConfig, OptimizerConfig, ZeroConfig
 from megazero.distributed import Group
+from megazero.zero.grads import OwnedGrads, grad_dtype_for, split_runs
 from megazero.zero.loss_scaler import make_loss_scaler
 from megazero.zero.partition import BucketedParams, sharded_state, storage_bytes
 
-__all__ = ["PRECISION_DTYPES", "StepStats", "ZeroOptimizer", "grad_norm_weights"]
+__all__ = ["PRECISION_DTYPES", "NonFiniteGradientError", "StepStats", "ZeroOptimizer", "grad_norm_weights"]
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """Too many consecutive steps had a non-finite gradient norm (see :meth:`ZeroOptimizer.check_skipped_steps`)."""
 
 
 @dataclass
@@ -95,7 +100,7 @@ def _runs(segments, starts: list[int], keep) -> list[tuple[int, int]]:
         for p, a, b in seg.pieces:
             if not keep(p):
                 continue
-            if runs and runs[-1][1] == base + a:
+            if runs and runs[-1][1] == base + a and a > 0:  # within one segment
                 runs[-1][1] = base + b
             else:
                 runs.append([base + a, base + b])
@@ -151,6 +156,10 @@ class ZeroOptimizer:
         for p in self.params:
             p._zero_wrapped = True
         self.norm_counted = norm_counted or {p: True for p in self.params}
+        self.grad_dtype = grad_dtype_for(precision, zero_cfg.grad_dtype)
+        # the model chunks of an interleaved pipeline: a backward reduces only the chunk that ran
+        chunks = [[p for p in c.parameters() if p.requires_grad] for c in model] \
+            if isinstance(model, nn.ModuleList) else None
         bucket = min(zero_cfg.reduce_bucket_size, zero_cfg.allgather_bucket_size)
         if zero_cfg.stage == 3:
             from megazero.zero.stage3 import Stage3Params
@@ -162,7 +171,8 @@ class ZeroOptimizer:
             self.store = BucketedParams(
                 self.params, self.dtype, dp_group, shard_optimizer=self.sharded.optimizer_states,
                 shard_gradients=self.sharded.gradients, bucket_numel=bucket, align=align,
-                overlap_comm=zero_cfg.overlap_comm, reduce_scatter=zero_cfg.reduce_scatter, isolate=tied_params)
+                overlap_comm=zero_cfg.overlap_comm, reduce_scatter=zero_cfg.reduce_scatter, isolate=tied_params,
+                grad_dtype=self.grad_dtype, max_inflight=zero_cfg.max_inflight_buckets, groups=chunks)
         # Segments of a parameter with a copy elsewhere (the tied embedding on the first and last pipeline
         # stage). Each copy is partitioned on its own, so both hold the same elements here and their reduced
         # gradients can be summed over ``tied_group`` before the update.
@@ -173,10 +183,13 @@ class ZeroOptimizer:
             if not p.requires_grad and p.is_floating_point():
                 p.data = p.data.to(self.dtype)
         self._comm_device = dp_group.device  # where the norm collectives run (the device even under offload)
-        self._grads: torch.Tensor | None = None  # this step's fp32 owned gradients, prepare_step -> finish_step
+        self._grads: OwnedGrads | None = None  # this step's owned gradients, prepare_step -> finish_step
+        self._host_grads: torch.Tensor | None = None  # offload: the fp32 host copy, allocated once
         self._init_partition()
         self.scaler = make_loss_scaler(precision, loss_scale_cfg)
         self.step_count = 0
+        self.skipped_steps = 0  # steps skipped for a non-finite gradient norm (fp16 overflows included)
+        self.consecutive_skips = 0  # of them, in a row up to the last step (non-finite norm without scaler)
 
     # -- this rank's partition ---------------------------------------------------------------------------
     def _init_partition(self) -> None:
@@ -207,13 +220,17 @@ class ZeroOptimizer:
                     self._pieces.append((a, a + s.param.numel(), s.param))
         self.exp_avg = torch.zeros(self.owned_numel, dtype=torch.float32, device=device, pin_memory=pin)
         self.exp_avg_sq = torch.zeros(self.owned_numel, dtype=torch.float32, device=device, pin_memory=pin)
-        self._decay_runs = _runs(segs, self._starts, lambda p: p.ndim >= 2)
+        self._decay_runs = _runs(segs, self._starts, lambda p: p.ndim >= 2)  # runs never span two segments
         self._norm_runs = _runs(segs, self._starts, lambda p: self.norm_counted.get(p, True))
 
     # -- the training-step interface -----------------------------------------------------------------------
-    def zero_grad(self) -> None:
-        """Clear this step's gradients."""
-        self.store.zero_grad()
+    def zero_grad(self, micro_batches: int | None = None) -> None:
+        """Clear this step's gradients; ``micro_batches`` is the number of :meth:`backward` calls per model
+        chunk this step (lets stages 0-1 reduce each bucket during the last one; None: at the step)."""
+        if isinstance(self.store, BucketedParams):
+            self.store.zero_grad(micro_batches)
+        else:
+            self.store.zero_grad()
 
     def backward(self, loss: torch.Tensor, grad: torch.Tensor | None = None) -> None:
         """Backward of one micro-batch's share of the global loss (scaled by the fp16 loss scale).
@@ -233,25 +250,32 @@ class ZeroOptimizer:
         """The current fp16 loss scale (None without loss scaling)."""
         return self.scaler.scale if self.scaler is not None else None
 
-    def _owned_grads_fp32(self) -> torch.Tensor:
-        g = torch.empty(self.owned_numel, dtype=torch.float32, device=self.exp_avg.device,
-                        pin_memory=self.exp_avg.is_pinned())
-        for s, a in zip(self.store.segments, self._starts):
+    def _owned_grads(self) -> OwnedGrads:
+        """The reduced owned gradients: the store's segment buffers in place (no copy), or under optimizer
+        offload their fp32 copy in a host buffer allocated once."""
+        segs = self.store.segments
+        if not self.offload:
+            return OwnedGrads([(a, s.grad) for s, a in zip(segs, self._starts)])
+        if self._host_grads is None:
+            self._host_grads = torch.empty(self.owned_numel, dtype=torch.float32, device=self.exp_avg.device,
+                                           pin_memory=self.exp_avg.is_pinned())
+        g = self._host_grads
+        for s, a in zip(segs, self._starts):
             g[a: a + s.grad.numel()].copy_(s.grad, non_blocking=True)
         if g.is_pinned():
             torch.cuda.current_stream().synchronize()  # device-to-host copies done before Adam reads them
-        return g
+        return OwnedGrads([(0, g)])
 
-    def _global_sq_norm(self, g: torch.Tensor) -> torch.Tensor:
+    def _global_sq_norm(self, g: OwnedGrads) -> torch.Tensor:
         """The squared global gradient norm as a 0-dim fp64 tensor on the gradients' device (no host read).
 
         Squares are summed on the device over this rank's counted runs, then over DP (partitioned gradients)
         and the model-parallel group. Under optimizer offload ``g`` lives in host memory: the local sum is
         moved to the device so the collectives get a tensor on their group's device.
         """
-        norms = [torch.linalg.vector_norm(g[a:b]) for a, b in self._norm_runs]
+        norms = [torch.linalg.vector_norm(g.slice(a, b), dtype=torch.float32) for a, b in self._norm_runs]
         local = (torch.stack(norms).double().square().sum() if norms
-                 else torch.zeros((), dtype=torch.float64, device=g.device))
+                 else torch.zeros((), dtype=torch.float64, device=g.parts[0].device))
         sq = local.reshape(1).to(self._comm_device, non_blocking=True)
         if self.sharded.optimizer_states:  # partitioned gradients: sum the partitions over DP
             self.dp_group.all_reduce(sq, tag="norm")
@@ -270,28 +294,35 @@ class ZeroOptimizer:
         if self.tied_group is not None:
             for seg in self._tied_segments:
                 self.tied_group.all_reduce(seg.grad, tag="tied")
-        self._grads = self._owned_grads_fp32()
+        self._grads = self._owned_grads()
         return self._global_sq_norm(self._grads)
 
     def finish_step(self, lr: float, sq_norm: float) -> StepStats:
-        """Second half of :meth:`step`, given the host value of :meth:`prepare_step`'s squared norm: skip on an
-        fp16 overflow (every rank sees the same sum, so all skip) and update the loss scale, else clip by the
-        global norm and update with learning rate ``lr``."""
+        """Second half of :meth:`step`, given the host value of :meth:`prepare_step`'s squared norm.
+
+        A non-finite norm (every rank sees the same sum) skips the step on every rank, leaving weights and
+        moments untouched: under fp16 loss scaling it is an overflow and lowers the scale; without a scaler it
+        is counted in :attr:`skipped_steps` and :attr:`consecutive_skips` (see
+        :meth:`check_skipped_steps`). Otherwise clip by the global norm and update with learning rate ``lr``."""
         g = getattr(self, "_grads", None)
         if g is None:
             raise RuntimeError("ZeroOptimizer.finish_step called without prepare_step for this step")
         self._grads = None
         sq = float(sq_norm)
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        if self.scaler is not None and not math.isfinite(sq):
-            self.scaler.update(overflow=True)  # every rank saw the same non-finite sum: all skip
-            return StepStats(grad_norm=math.inf, skipped=True, loss_scale=self.scaler.scale)
+        if not math.isfinite(sq):  # every rank saw the same non-finite sum: all skip
+            self.skipped_steps += 1
+            if self.scaler is not None:
+                self.scaler.update(overflow=True)
+                return StepStats(grad_norm=math.inf, skipped=True, loss_scale=self.scaler.scale)
+            self.consecutive_skips += 1
+            return StepStats(grad_norm=sq, skipped=True, loss_scale=None)
+        self.consecutive_skips = 0
         norm = math.sqrt(sq) / scale
         coef = 1.0
         if self.opt_cfg.clip_grad > 0:
             coef = min(1.0, self.opt_cfg.clip_grad / (norm + 1e-6))
-        if coef / scale != 1.0:
-            g.mul_(coef / scale)
+        g.scale_(coef / scale)
         if self.offload:
             self._adam_offloaded(g, lr)
         else:
@@ -310,8 +341,20 @@ class ZeroOptimizer:
         (:meth:`prepare_step` then :meth:`finish_step`, reading the norm back in between)."""
         return self.finish_step(lr, self.prepare_step().item())
 
+    def check_skipped_steps(self, step: int) -> None:
+        """Raise :class:`NonFiniteGradientError` once ``OptimizerConfig.max_skipped_steps`` steps in a row (0:
+        never) were skipped for a non-finite gradient norm without a loss scaler. Every rank skipped the same
+        steps, so every rank raises; ``step`` (the last step run) goes into the message."""
+        limit = self.opt_cfg.max_skipped_steps
+        if limit and self.consecutive_skips >= limit:
+            raise NonFiniteGradientError(
+                f"the gradient norm was not finite in {self.consecutive_skips} consecutive steps (the last at step "
+                f"{step}), so each was skipped; the run is diverging: lower the learning rate (--lr, now "
+                f"{self.opt_cfg.lr:g}), lengthen --warmup-steps, keep --clip-grad on, or raise "
+                f"--max-skipped-steps ({limit}) to tolerate more")
+
     @torch.no_grad()
-    def _adam_offloaded(self, g: torch.Tensor, lr: float, chunk: int = 1 << 23) -> None:
+    def _adam_offloaded(self, g: OwnedGrads, lr: float, chunk: int = 1 << 23) -> None:
         """Adam on the host in chunks; each updated chunk is copied to the device parameters (asynchronously
         from pinned memory) while the next chunk is computed."""
         self.step_count += 1
@@ -324,13 +367,19 @@ class ZeroOptimizer:
                     s.param[a_lo - a: a_hi - a].copy_(self.master[a_lo:a_hi], non_blocking=True)
 
     @torch.no_grad()
-    def _adam(self, g: torch.Tensor, lr: float) -> None:
-        """``torch.optim.Adam``/``AdamW`` (single-tensor arithmetic) on the owned partition."""
+    def _adam(self, g: OwnedGrads, lr: float, chunk: int = 1 << 23) -> None:
+        """``torch.optim.Adam``/``AdamW`` (single-tensor arithmetic) on the owned partition; a separate fp32
+        master is updated in chunks, so 16-bit gradients are converted to fp32 one chunk at a time."""
         self.step_count += 1
+        if self.master is not None:
+            for lo in range(0, self.owned_numel, chunk):
+                hi = min(lo + chunk, self.owned_numel)
+                self._adam_update(self.master[lo:hi], g, lr, lo, hi)
+            return
         for a, b, p in self._pieces:
             self._adam_update(p, g, lr, a, b)
 
-    def _adam_update(self, p: torch.Tensor, g: torch.Tensor, lr: float, lo: int, hi: int) -> None:
+    def _adam_update(self, p: torch.Tensor, g: OwnedGrads, lr: float, lo: int, hi: int) -> None:
         """One Adam/AdamW update of owned elements [lo, hi), held in ``p``.
 
         Runs torch's fused Adam(W) kernel (CPU and CUDA) over the flat buffer's runs: the weight-decayed runs
@@ -351,13 +400,15 @@ class ZeroOptimizer:
             pos = b
         if pos < hi:
             runs.append((pos, hi, False))
+        runs = [(a, b, d) for ra, rb, d in runs for a, b in split_runs([(ra, rb)], g.bounds)]
         fused = getattr(torch, "_fused_adamw_" if cfg.decoupled_weight_decay else "_fused_adam_", None)
         for decayed in (True, False):
             sel = [(a - lo, b - lo) for a, b, d in runs if d == decayed]
             if not sel:
                 continue
             ps = [p[a:b] for a, b in sel]
-            gs, ms, vs = ([x[lo:hi][a:b] for a, b in sel] for x in (g, self.exp_avg, self.exp_avg_sq))
+            gs = [g.fp32(lo + a, lo + b) for a, b in sel]
+            ms, vs = ([x[lo + a: lo + b] for a, b in sel] for x in (self.exp_avg, self.exp_avg_sq))
             wd = cfg.weight_decay if decayed else 0.0
             if fused is not None:
                 steps = [torch.full((), float(t), device=p.device) for _ in sel]  # a fill: no host copy
@@ -402,22 +453,27 @@ class ZeroOptimizer:
         """Bytes of the model states this rank holds now, measured on the live tensors (storages counted once).
 
         ``params_bytes``: the model's parameter storages plus parameter shards/buffers the optimizer keeps;
-        ``grads_bytes``: gradient buffers (full, owned partition, or in-flight buckets) and stray ``.grad``;
+        ``grads_bytes``: the accumulated gradient (full at stages 0-1, the owned partition at 2-3, in
+        ``grad_dtype``), the fp32 host copy under optimizer offload, and stray ``.grad``;
         ``master_params_bytes``: the fp32 master partition (0 in fp32, where parameters are their own master);
         ``optimizer_states_bytes``: the Adam moments; ``offloaded_bytes``: how much of all the above lives in
         host memory while the rest is on an accelerator, read from each tensor's device (0 when everything is
-        on the CPU), so the device holds the sum of the four minus this.
+        on the CPU), so the device holds the sum of the four minus this; ``comm_buffers_bytes``: buffers
+        allocated once for communication (stage 2's staging pool of ``max_inflight_buckets`` buckets), not a
+        model state.
         """
         seen: set[int] = set()
         held = self.store.held_tensors()
+        host_grads = getattr(self, "_host_grads", None)  # optimizer offload: the fp32 copy Adam reads
         kinds = {"params_bytes": [p for p in self.model.parameters()] + held["params"],
-                 "grads_bytes": [p.grad for p in self.model.parameters()] + held["grads"],
+                 "grads_bytes": [p.grad for p in self.model.parameters()] + held["grads"] + [host_grads],
                  "master_params_bytes": [self.master] if self.master is not None else [],
                  "optimizer_states_bytes": [self.exp_avg, self.exp_avg_sq]}
         out = {k: storage_bytes(ts, seen) for k, ts in kinds.items()}
         tensors = [t for ts in kinds.values() for t in ts if t is not None and t.untyped_storage().nbytes()]
         on_accelerator = any(t.device.type != "cpu" for t in tensors)
         out["offloaded_bytes"] = storage_bytes([t for t in tensors if t.device.type == "cpu"]) if on_accelerator else 0
+        out["comm_buffers_bytes"] = storage_bytes(held.get("comm", []), seen)
         return out
 
     def padded_numel(self) -> dict[str, int]:

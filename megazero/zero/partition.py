@@ -16,6 +16,7 @@ persistent parameters of stage 3).
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
@@ -116,16 +117,21 @@ class FlatLayout:
         return flat
 
 
-def build_buckets(numels: Sequence[int], bucket_numel: int, isolate: Sequence[bool] | None = None) -> list[list[int]]:
+def build_buckets(numels: Sequence[int], bucket_numel: int, isolate: Sequence[bool] | None = None,
+                  keys: Sequence[int] | None = None) -> list[list[int]]:
     """Group consecutive indices so each group holds at most ``bucket_numel`` elements.
 
     A tensor larger than the bucket gets a group of its own; ``bucket_numel`` <= 0 means one group. Indices
-    marked in ``isolate`` always get a group of their own (so their partition depends on nothing else).
+    marked in ``isolate`` always get a group of their own (so their partition depends on nothing else); a
+    group never holds two different ``keys`` (e.g. two model chunks).
     """
     groups: list[list[int]] = []
     current: list[int] = []
     size = 0
     for i, n in enumerate(numels):
+        if current and keys is not None and keys[i] != keys[current[-1]]:
+            groups.append(current)
+            current, size = [], 0
         if isolate is not None and isolate[i]:
             if current:
                 groups.append(current)
@@ -186,57 +192,78 @@ class BucketedParams:
     The parameters (in reverse registration order, roughly the order backward produces their gradients)
     are grouped into buckets of at most ``bucket_numel`` elements; each bucket is a :class:`FlatLayout` over
     the DP group (``shard_optimizer``) or over this rank alone, and every parameter becomes a view into one
-    flat model-dtype buffer. Gradient policy:
+    flat model-dtype buffer. Gradients are accumulated and reduced in ``grad_dtype`` (default: the model
+    dtype; fp32 for bf16 training). ``groups`` are the model chunks of an interleaved pipeline (default: one):
+    no bucket spans two groups, and a backward touches only the buckets of the chunk that ran. Policy:
 
-    * ``shard_gradients`` False (stages 0-1): one flat gradient buffer; ``p.grad`` are views into it, so
-      backward accumulates micro-batches in place. :meth:`reduce_gradients` (at the accumulation boundary)
-      all-reduces each bucket (stage 0) or reduce-scatters it in place so each rank holds its slice reduced
-      (stage 1): 2Ψ resp. Ψ per step, whatever the number of micro-batches m.
-    * ``shard_gradients`` True (stage 2): a hook on each parameter's gradient accumulation copies the
-      gradient into its bucket's staging buffer; a full bucket is reduce-scattered at once (asynchronously
-      with ``overlap_comm``, waited on at the end of that backward) and added to this rank's owned gradient
-      buffer (one contiguous buffer of ~Ψ/Nd); the staging buffer is then freed. Ψ per micro-batch.
+    * ``shard_gradients`` False (stages 0-1): one flat gradient buffer of Ψ elements, allocated once. With
+      ``grad_dtype`` equal to the model dtype, ``p.grad`` are views into it, so backward accumulates
+      micro-batches in place; otherwise a hook adds each fresh ``p.grad`` into it and drops ``p.grad``
+      (Megatron-LM's ``main_grad``). During the last micro-batch's backward of each group (known from
+      :meth:`zero_grad`'s ``micro_batches``), a bucket is all-reduced (stage 0) or reduced-scattered in place
+      (stage 1) as soon as its last gradient arrives, overlapped with the rest of backward (DDP-style; waited
+      on in :meth:`reduce_gradients`). 2Ψ resp. Ψ per step, whatever the number of micro-batches m.
+    * ``shard_gradients`` True (stage 2): a hook copies each gradient into its bucket's staging buffer, taken
+      from a pool of ``max_inflight`` buffers of the largest bucket's size allocated once; a full bucket is
+      reduce-scattered at once (asynchronously with ``overlap_comm``) and added to this rank's owned gradient
+      buffer (one contiguous buffer of ~Ψ/Nd) when its buffer is needed again or at the end of the backward.
+      At most ``max_inflight`` buckets are being filled or reduced at any time, so the unreduced gradient
+      never exists whole. When every buffer holds a bucket still being filled, the oldest is reduced as it
+      is and its late gradients reopen it (more traffic, never more memory). Ψ per micro-batch.
 
-    With ``shard_optimizer``, :meth:`after_step` all-gathers the updated slices into every rank's buffer (Ψ).
-    With ``reduce_scatter`` False, gradients are all-reduced instead (2Ψ per reduction) and the slice kept.
-    Parameters in ``isolate`` get a bucket of their own, so this rank owns the same elements of them whatever
-    else the store holds (the tied embedding's two pipeline copies must be partitioned alike).
+    Every rank issues its reductions in the order its gradients arrive, which is the same on every rank of the
+    DP group (same graph, same code). With ``shard_optimizer``, :meth:`after_step` all-gathers the updated
+    slices into every rank's buffer (Ψ). With ``reduce_scatter`` False, gradients are all-reduced instead (2Ψ
+    per reduction) and the slice kept. Parameters in ``isolate`` get a bucket of their own, so this rank owns
+    the same elements of them whatever else the store holds (the tied embedding's two pipeline copies must be
+    partitioned alike).
     """
 
     def __init__(self, params: Sequence[nn.Parameter], dtype: torch.dtype, dp_group: Group, *,
                  shard_optimizer: bool, shard_gradients: bool, bucket_numel: int, align: int = 16,
                  overlap_comm: bool = False, reduce_scatter: bool = True,
-                 isolate: Sequence[nn.Parameter] = ()) -> None:
+                 isolate: Sequence[nn.Parameter] = (), grad_dtype: torch.dtype | None = None,
+                 max_inflight: int = 2, groups: Sequence[Sequence[nn.Parameter]] | None = None) -> None:
         if shard_gradients and not shard_optimizer:
             raise ValueError("sharded gradients need sharded optimizer states (ZeRO stage 2 includes stage 1)")
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight (--max-inflight-buckets) must be >= 1, got {max_inflight}")
         self.dp_group = dp_group
         self.dtype = dtype
+        self.grad_dtype = grad_dtype or dtype
         self.shard_optimizer = shard_optimizer
         self.shard_gradients = shard_gradients
         self.overlap_comm = overlap_comm
         self.reduce_scatter = reduce_scatter
+        self.max_inflight = max_inflight
         self.rank = dp_group.rank if shard_optimizer else 0
         order = list(reversed(list(params)))
         self.params = order
+        group_of = {p: i for i, g in enumerate(groups or ()) for p in g}
         n_ranks = dp_group.size if shard_optimizer else 1
         self.buckets: list[tuple[int, list[nn.Parameter], FlatLayout]] = []  # (start, params, layout)
+        self._bucket_group: list[int] = []
         start = 0
         isolated = [any(p is q for q in isolate) for p in order]
-        for idx in build_buckets([p.numel() for p in order], bucket_numel, isolated):
+        for idx in build_buckets([p.numel() for p in order], bucket_numel, isolated,
+                                 [group_of.get(p, 0) for p in order]):
             ps = [order[i] for i in idx]
             layout = FlatLayout([p.numel() for p in ps], n_ranks, align)
             self.buckets.append((start, ps, layout))
+            self._bucket_group.append(group_of.get(ps[0], 0))
             start += layout.padded_numel
         self.numel = start
-        self.param_flat = torch.empty(start, dtype=dtype, device=order[0].device if order else None)
+        device = order[0].device if order else None
+        self.param_flat = torch.empty(start, dtype=dtype, device=device)
         self._where: dict[nn.Parameter, tuple[int, int]] = {}
         self.segments: list[OwnedSegment] = []
+        gdt = self.grad_dtype
         if shard_gradients:
             self.grad_flat = None
-            self.owned_grad = torch.zeros(sum(lay.shard_numel for _, _, lay in self.buckets), dtype=dtype,
-                                          device=self.param_flat.device)
+            self.owned_grad = torch.zeros(sum(lay.shard_numel for _, _, lay in self.buckets), dtype=gdt,
+                                          device=device)
         else:
-            self.grad_flat = torch.zeros_like(self.param_flat)
+            self.grad_flat = torch.zeros(start, dtype=gdt, device=device)
             self.owned_grad = None
         owned_off = 0
         for b, (s, ps, layout) in enumerate(self.buckets):
@@ -255,13 +282,25 @@ class BucketedParams:
             pieces = [(ps[pc.index], pc.offset, pc.offset + pc.numel) for pc in layout.pieces(lo, hi)]
             init = flat32[lo:hi].clone() if dtype != torch.float32 else None
             self.segments.append(OwnedSegment(view[lo:hi], grad, pieces, init))
-        self._staging: list[torch.Tensor | None] = [None] * len(self.buckets)
+        # gradients land in ``p.grad`` views of grad_flat (stages 0-1 in the model dtype) or pass through hooks
+        self._grad_views = not shard_gradients and gdt == dtype
+        # stage 2: the staging pool (allocated on first use, never again) and the buckets using it
+        self._pool_numel = max((lay.padded_numel for _, _, lay in self.buckets), default=0)
+        self._pool_size = min(max_inflight, len(self.buckets))
+        self._pool: list[torch.Tensor] = []
+        self._free: list[int] = []
+        self._open: dict[int, int] = {}  # bucket -> pool buffer, in the order they were opened
+        self._inflight: deque[tuple[object, int, int]] = deque()  # (work, bucket, pool buffer)
+        # stages 0-1: this step's reductions, started in the last micro-batch's backward of each group
+        self._pending: list[object] = []
+        self._launched = [False] * len(self.buckets)
+        # per backward: parameters still to arrive per bucket, groups touched; per step: passes per group
         self._remaining = [len(ps) for _, ps, _ in self.buckets]
-        self._reduced = [False] * len(self.buckets)
-        self._inflight: list[tuple[object, int, torch.Tensor]] = []
-        if shard_gradients:
-            for p in order:
-                p.register_post_accumulate_grad_hook(self._on_grad)
+        self._touched: set[int] = set()
+        self._passes: dict[int, int] = {}
+        self.micro_batches: int | None = None
+        for p in order:
+            p.register_post_accumulate_grad_hook(self._on_grad)
         self.zero_grad()
 
     # -- gradients -----------------------------------------------------------------------------------------
@@ -270,89 +309,151 @@ class BucketedParams:
         s = self.buckets[b][0]
         return self.grad_flat[s + off: s + off + p.numel()].view(p.shape)
 
-    def zero_grad(self) -> None:
-        """Zero the gradient buffers (and point ``p.grad`` at the flat buffer, stages 0-1)."""
+    def zero_grad(self, micro_batches: int | None = None) -> None:
+        """Zero the gradient buffers for a new step of ``micro_batches`` backward passes per model chunk.
+
+        Knowing ``micro_batches`` lets stages 0-1 reduce each bucket during the last pass (None: all at
+        :meth:`reduce_gradients`). Stages 0-1 in the model dtype point ``p.grad`` at the flat buffer.
+        """
+        if micro_batches is not None and micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+        self.micro_batches = micro_batches
+        self._passes = {}
+        self._launched = [False] * len(self.buckets)
         if self.grad_flat is not None:
             self.grad_flat.zero_()
-            for p in self.params:
-                p.grad = self._grad_view(p)
         else:
             self.owned_grad.zero_()
-            for p in self.params:
-                p.grad = None
+        for p in self.params:
+            p.grad = self._grad_view(p) if self._grad_views else None
 
     def start_backward(self) -> None:
-        """Reset the per-backward bucket bookkeeping (stage 2)."""
+        """Reset the per-backward bookkeeping; call before each backward pass."""
         self._remaining = [len(ps) for _, ps, _ in self.buckets]
-        self._reduced = [False] * len(self.buckets)
+        self._touched = set()
+
+    def _last_pass(self, b: int) -> bool:
+        """Count this backward for bucket ``b``'s group; whether it is the group's last of the step."""
+        g = self._bucket_group[b]
+        if g not in self._touched:
+            self._touched.add(g)
+            self._passes[g] = self._passes.get(g, 0) + 1
+            if self.micro_batches is not None and self._passes[g] > self.micro_batches:
+                raise RuntimeError(
+                    f"backward pass {self._passes[g]} of a step declared with micro_batches="
+                    f"{self.micro_batches} (zero_grad): pass the number of backward passes per model chunk")
+        return self.micro_batches is not None and self._passes[g] == self.micro_batches
 
     def _on_grad(self, p: nn.Parameter) -> None:
         if p.grad is None:
             return
         b, off = self._where[p]
-        staging = self._staging[b]
-        if staging is None:
-            staging = self._staging[b] = torch.zeros(self.buckets[b][2].padded_numel, dtype=self.dtype,
-                                                     device=p.device)
-        staging[off: off + p.numel()].add_(p.grad.reshape(-1))
-        p.grad = None
-        self._remaining[b] -= 1
-        if self._remaining[b] == 0 and not self._reduced[b]:
-            self._reduce_bucket(b)
+        last = self._last_pass(b)
+        if self.grad_flat is None:  # stage 2: into a staging buffer, reduced when the bucket is complete
+            if b not in self._open:
+                self._open[b] = buf = self._acquire()
+                self._pool[buf][: self.buckets[b][2].padded_numel].zero_()
+            self._pool[self._open[b]][off: off + p.numel()].add_(p.grad.reshape(-1))
+            p.grad = None
+            self._remaining[b] -= 1
+            if self._remaining[b] == 0:
+                self._launch_staged(b)
+            return
+        if self._launched[b]:
+            raise RuntimeError("a gradient arrived for a bucket already reduced in this step: zero_grad("
+                               "micro_batches=m) must state the number of backward passes per step")
+        view = self._grad_view(p)
+        if not self._grad_views:  # accumulate in grad_dtype (fp32): the model-dtype gradient is dropped
+            view.add_(p.grad)
+            p.grad = None
+        elif p.grad.data_ptr() != view.data_ptr():  # bypassed the buffer (e.g. after model.zero_grad())
+            view.copy_(p.grad)
+            p.grad = view
+        if last:
+            self._remaining[b] -= 1
+            if self._remaining[b] == 0:
+                self._launch_flat(b)
 
-    def _reduce_bucket(self, b: int) -> None:
-        staging = self._staging[b]
-        self._staging[b] = None
-        if staging is None:  # no gradient reached this bucket in this backward: reduce zeros, like every rank
-            staging = torch.zeros(self.buckets[b][2].padded_numel, dtype=self.dtype, device=self.param_flat.device)
-        lo, hi = self.buckets[b][2].shard_range(self.rank)
+    # stage 2 -------------------------------------------------------------------------------------------
+    def _acquire(self) -> int:
+        """A free staging buffer: a new one while the pool is not full, else wait for the oldest reduction,
+        else reduce the bucket opened first (every buffer holds a bucket still being filled)."""
+        if self._free:
+            return self._free.pop()
+        if len(self._pool) < self._pool_size:
+            self._pool.append(torch.empty(self._pool_numel, dtype=self.grad_dtype, device=self.param_flat.device))
+            return len(self._pool) - 1
+        if not self._inflight:
+            self._launch_staged(next(iter(self._open)))
+        self._wait_oldest()
+        return self._free.pop()
+
+    def _launch_staged(self, b: int) -> None:
+        buf = self._open.pop(b)
+        layout = self.buckets[b][2]
+        staging = self._pool[buf][: layout.padded_numel]
+        lo, hi = layout.shard_range(self.rank)
         if self.reduce_scatter:
             work = self.dp_group.reduce_scatter(staging[lo:hi], staging, tag="grad", async_op=True)
         else:
             work = self.dp_group.all_reduce(staging, tag="grad", async_op=True)
-        self._reduced[b] = True
-        self._inflight.append((work, b, staging))
+        self._inflight.append((work, b, buf))
         if not self.overlap_comm:
-            self._drain()
+            self._wait_oldest()
 
-    def _drain(self) -> None:
-        for work, b, staging in self._inflight:
+    def _wait_oldest(self) -> None:
+        work, b, buf = self._inflight.popleft()
+        work.wait()
+        lo, hi = self.buckets[b][2].shard_range(self.rank)
+        self.segments[b].grad.add_(self._pool[buf][lo:hi])
+        self._free.append(buf)
+
+    # stages 0-1 ----------------------------------------------------------------------------------------
+    def _launch_flat(self, b: int) -> None:
+        s, _, layout = self.buckets[b]
+        g = self.grad_flat[s: s + layout.padded_numel]
+        if self.shard_optimizer and self.reduce_scatter:
+            lo, hi = layout.shard_range(self.rank)
+            work = self.dp_group.reduce_scatter(g[lo:hi], g, tag="grad", async_op=True)
+        else:
+            work = self.dp_group.all_reduce(g, tag="grad", async_op=True)
+        self._launched[b] = True
+        if self.overlap_comm:
+            self._pending.append(work)
+        else:
             work.wait()
-            lo, hi = self.buckets[b][2].shard_range(self.rank)
-            self.segments[b].grad.add_(staging[lo:hi])
-        self._inflight.clear()
 
     def finish_backward(self) -> None:
-        """End of one backward (stage 2): reduce buckets not yet complete, wait for every reduction."""
-        if not self.shard_gradients:
-            return
-        for b in range(len(self.buckets)):
-            if not self._reduced[b]:
-                self._reduce_bucket(b)
-        self._drain()
+        """End of one backward pass. Stage 2: reduce the buckets this pass filled only partly, wait for every
+        reduction. Stages 0-1, last pass of a group: start the reductions of that group's remaining buckets."""
+        if self.grad_flat is None:
+            for b in sorted(self._open):
+                self._launch_staged(b)
+            while self._inflight:
+                self._wait_oldest()
+        elif self.micro_batches is not None:
+            last = {g for g in self._touched if self._passes[g] == self.micro_batches}
+            for b, g in enumerate(self._bucket_group):
+                if g in last and not self._launched[b]:
+                    self._launch_flat(b)
         self.start_backward()
 
     def reduce_gradients(self) -> None:
-        """At the accumulation boundary (stages 0-1): reduce every bucket of the flat gradient buffer."""
+        """At the accumulation boundary (stages 0-1): reduce the buckets not reduced yet, wait for all."""
         if self.grad_flat is None:
             return
-        for p in self.params:  # gradients that bypassed the buffer (e.g. after model.zero_grad()) go back in
-            view = self._grad_view(p)
-            if p.grad is None:
+        for b in range(len(self.buckets)):
+            if self._launched[b]:
+                continue
+            for p in self.buckets[b][1] if self._grad_views else ():  # gradients that bypassed the buffer
+                view = self._grad_view(p)
+                if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
                 p.grad = view
-            elif p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad)
-                p.grad = view
-        works = []
-        for s, _, layout in self.buckets:
-            g = self.grad_flat[s: s + layout.padded_numel]
-            if self.shard_optimizer and self.reduce_scatter:
-                lo, hi = layout.shard_range(self.rank)
-                works.append(self.dp_group.reduce_scatter(g[lo:hi], g, tag="grad", async_op=True))
-            else:
-                works.append(self.dp_group.all_reduce(g, tag="grad", async_op=True))
-        for w in works:
-            w.wait()
+            self._launch_flat(b)
+        for work in self._pending:
+            work.wait()
+        self._pending.clear()
 
     # -- parameters ----------------------------------------------------------------------------------------
     def after_step(self) -> None:
@@ -385,7 +486,7 @@ class BucketedParams:
         return {"whole": self.numel, "gathered": 0}
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """The buffers this store holds right now, by model-state category."""
+        """The buffers this store holds right now, by category: ``params``, ``grads`` (the accumulated or
+        owned gradient) and ``comm`` (stage 2's staging pool: communication buffers, allocated once)."""
         grads = [self.grad_flat if self.grad_flat is not None else self.owned_grad]
-        grads += [t for t in self._staging if t is not None] + [st for _, _, st in self._inflight]
-        return {"params": [self.param_flat], "grads": grads}
+        return {"params": [self.param_flat], "grads": grads, "comm": list(self._pool)}

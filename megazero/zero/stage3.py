@@ -105,7 +105,8 @@ class Stage3Params:
             store = BucketedParams(
                 ps, dtype, dp_group, shard_optimizer=True, shard_gradients=True,
                 bucket_numel=min(cfg.reduce_bucket_size, cfg.allgather_bucket_size), align=align,
-                overlap_comm=cfg.overlap_comm, reduce_scatter=cfg.reduce_scatter, isolate=isolate) if ps else None
+                overlap_comm=cfg.overlap_comm, reduce_scatter=cfg.reduce_scatter, isolate=isolate,
+                grad_dtype=self.grad_dtype, max_inflight=self.max_inflight) if ps else None
             self.persistent.append(store)
             self.segments += store.segments if store is not None else []
         for s in specs:
@@ -359,10 +360,13 @@ class Stage3Params:
         """The buffers this store holds right now, by model-state category (released units hold 0 bytes)."""
         params = [self.shard_flat] + [u.full for u in self.units]
         grads = [self.owned_grad] + self._held_staging()
+        comm: list[torch.Tensor] = []  # the persistent parameters' staging pools
         for store in self.persistent:
             if store is not None:
                 held = store.held_tensors()
                 params += held["params"]
                 grads += held["grads"]
+                comm += held.get("comm", [])
         # what of the above lives in host memory (``offload_param``)
-        return {"params": params, "grads": grads, "offloaded_params": [self.shard_flat] if self.offload_param else []}
+        return {"params": params, "grads": grads, "comm": comm,
+                "offloaded_params": [self.shard_flat] if self.offload_param else []}
