@@ -33,6 +33,7 @@ from megazero.config import Config
 from megazero.engine import Engine
 from megazero.memory import PeakMemoryTracker, zero_buffers
 from megazero.parallel_context import ParallelContext, RankGrid
+from megazero.pipeline.p2p_replay import record_p2p, replay
 from megazero.pipeline.schedules import simulate
 from megazero.roofline import Cluster, group_nodes, step_time
 from megazero.tensor_parallel.layers import VOCAB_PAD_MULTIPLE, pad_size
@@ -58,6 +59,7 @@ class RoleResult:
     host_reads: int  # reads from the device during the step
     step_seconds: dict[str, float] = field(default_factory=dict)  # roofline estimate by part
     wall_seconds: float = 0.0  # how long the dry step of this role took here
+    p2p_calls: list | None = None  # the pipeline group's batched point-to-point calls, in issue order
 
 
 @dataclass
@@ -70,6 +72,8 @@ class DryRunReport:
     fits: bool
     verdict: str
     wall_seconds: float
+    p2p_replay: str = "no pipeline"  # the NCCL-order replay of the recorded point-to-point calls
+    p2p_ok: bool = True
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -116,6 +120,7 @@ def run_role(cfg: Config, grid: RankGrid, rank: int, c: Cluster | None = None) -
     try:
         device = torch.device("meta")
         ctx = ParallelContext.from_grid(grid, device=device)  # Group checks every tensor against meta
+        p2p_log = record_p2p(ctx.pp_group) if grid.pp_size > 1 else None
         with device:  # parameters are created without storage (no weights, no initialisation cost)
             engine = Engine(cfg, ctx, device)
         t = cfg.training
@@ -130,7 +135,8 @@ def run_role(cfg: Config, grid: RankGrid, rank: int, c: Cluster | None = None) -
         result = RoleResult(
             rank=rank, pp_rank=ctx.pp_rank, tp_rank=ctx.tp_rank, holds_vocab_padding=False, states=states,
             peak_bytes=int(peak["peak_bytes"]), peak_by_category=dict(peak["peak_by_category"]),
-            volumes=_volumes(breakdown), breakdown=ctx.ledger.breakdown_last_step(), host_reads=reader.reads)
+            volumes=_volumes(breakdown), breakdown=ctx.ledger.breakdown_last_step(), host_reads=reader.reads,
+            p2p_calls=p2p_log)
         if c is not None:
             result.step_seconds = _roofline(cfg, grid, rank, breakdown, c)
     finally:
@@ -174,15 +180,25 @@ def dry_run(cfg: Config, c: Cluster, log_dir: str | None = None) -> DryRunReport
         res = run_role(cfg, grid, rank, c)
         res.holds_vocab_padding = padded
         roles.append(res)
+    p2p_ok, p2p_text = True, "no pipeline"
+    if p.pp_size > 1:  # the pipeline group of dp 0 / tp 0: every stage's role holds one of its ranks
+        pp_ranks = set(grid.group_of("pp", 0))
+        calls = {r.rank: r.p2p_calls for r in roles if r.rank in pp_ranks}
+        result = replay(calls)
+        p2p_ok, p2p_text = result.ok, str(result) + f" ({sum(len(c) for c in calls.values())} batched calls)"
+    for r in roles:
+        r.p2p_calls = None  # replayed; not written to the JSON
     schedule = p.pp_schedule if p.pp_size > 1 else "1f1b"
     v = p.virtual_stages if schedule == "interleaved" else 1
     bubble = simulate(schedule, p.pp_size, t.gradient_accumulation_steps, v).bubble_fraction if p.pp_size > 1 else 0.0
     usable = c.usable_memory_bytes
     worst = max(roles, key=lambda r: r.peak_bytes)
-    fits = worst.peak_bytes <= usable
+    fits = worst.peak_bytes <= usable and p2p_ok
     if fits:
         verdict = (f"fits: the largest peak is rank {worst.rank}'s {worst.peak_bytes / 1e9:.2f} GB of "
                    f"{usable / 1e9:.1f} GB usable on {c.gpu.name}")
+    elif worst.peak_bytes <= usable:
+        verdict = f"does not run: the point-to-point calls fail the NCCL-order replay: {p2p_text}"
     else:
         cat = max(worst.peak_by_category, key=worst.peak_by_category.get)
         verdict = (f"does not fit: rank {worst.rank} (pp {worst.pp_rank}, tp {worst.tp_rank}) peaks at "
@@ -194,7 +210,7 @@ def dry_run(cfg: Config, c: Cluster, log_dir: str | None = None) -> DryRunReport
                   "micro_batches": t.gradient_accumulation_steps, "micro_batch_size": t.micro_batch_size,
                   "precision": t.precision, "gpus_per_node": c.gpus_per_node},
         roles=roles, bubble_fraction=bubble, usable_memory_bytes=usable, gpu=c.gpu.name, fits=fits,
-        verdict=verdict, wall_seconds=time.perf_counter() - start)
+        verdict=verdict, wall_seconds=time.perf_counter() - start, p2p_replay=p2p_text, p2p_ok=p2p_ok)
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
         with open(os.path.join(log_dir, "dryrun.json"), "w") as f:
@@ -228,6 +244,7 @@ def format_report(r: DryRunReport) -> str:
              ""]
     lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in [head, *rows]]
     lines += ["", f"pipeline bubble: {r.bubble_fraction:.1%} of compute (simulated schedule)",
+              f"NCCL-order replay of the pipeline's point-to-point calls: {r.p2p_replay}",
               "peak: live tensors by category at the step's peak (the tracker of metrics.jsonl); Melem: elements"
               " per step as the ledger counts them (all-reduce 2n); step s: roofline estimate on "
               f"{tp['gpus_per_node']}-GPU nodes of {r.gpu}",

@@ -77,7 +77,7 @@ def test_dry_run_equals_a_real_gloo_run(extra):
 def test_every_stage_and_schedule_runs_on_meta(extra, tmp_path):
     cfg = _cfg(extra + ["--log-dir", str(tmp_path)])
     report = dry_run(cfg, cluster("h100", 8), str(tmp_path))
-    assert report.fits
+    assert report.fits and report.p2p_ok and report.p2p_replay.startswith("replay completed")
     assert {r.pp_rank for r in report.roles} == {0, 1}
     for r in report.roles:
         assert r.volumes.get("dp", 0) > 0 and r.volumes.get("tp", 0) > 0 and r.volumes.get("pp", 0) > 0
@@ -141,3 +141,14 @@ def test_host_seam_is_scoped_and_tells_meta_storages_apart():
         host.read(a)  # outside the dry run a meta read fails, as it should
     b = torch.empty(8, device="meta")
     assert host.storage_key(a) == host.storage_key(a[3:]) != host.storage_key(b)
+
+
+def test_a_pipeline_order_that_deadlocks_under_nccl_fails_the_verdict(monkeypatch):
+    import megazero.dryrun as dr
+
+    real_replay = dr.replay
+    # rank 0 issuing its batched calls in reverse order: its first call waits for a gradient never produced
+    monkeypatch.setattr(dr, "replay", lambda calls: real_replay({r: c[::-1] if r == 0 else c
+                                                                 for r, c in calls.items()}))
+    report = dry_run(_cfg(["--zero-stage", "1"]), cluster("h100", 8))
+    assert not report.p2p_ok and not report.fits and "NCCL-order replay" in report.verdict
