@@ -166,7 +166,7 @@ class ZeroOptimizer:
 
             self.store = Stage3Params(model, self.dtype, dp_group, zero_cfg, align=align, isolate=tied_params,
                                       offload_param=zero_cfg.offload_param == "cpu", param_init=param_init,
-                                      device=device)
+                                      device=device, grad_dtype=self.grad_dtype)
         else:
             self.store = BucketedParams(
                 self.params, self.dtype, dp_group, shard_optimizer=self.sharded.optimizer_states,

@@ -17,8 +17,8 @@ fp32 master copy.
   reduce-scattered to the owners at once (asynchronously with ``overlap_comm``, at most
   ``max_inflight_buckets`` reductions in flight, default 2; staging buffers are reused from a pool).
   The tied embedding's gradient arrives once, after both uses.
-* **Gradient precision**: staging buffers, the reduction and the owned gradient are in the reduction dtype:
-  fp32 when training in bf16 (by default), the model dtype otherwise.
+* **Gradient precision**: staging buffers, the reduction and the owned gradient are in ``grad_dtype`` (the
+  optimizer's ``--grad-dtype``: fp32 when training in bf16 by default, the model dtype otherwise).
 * **Full activation checkpointing**: a block recomputed inside backward stays gathered for its backward right
   after (``stage3_max_reuse_distance``), so it is gathered twice per micro-batch, not three times.
 * **Ordering, prefetch, live budget, order check**: :mod:`.stage3_gather`.
@@ -53,19 +53,9 @@ from megazero.zero.partition import BucketedParams, FlatLayout, OwnedSegment
 from megazero.zero.stage3_gather import BWD, FWD, GatherOrderError, GatherScheduler
 from megazero.zero.stage3_units import PreBackward, Unit, collect_units, model_chunks
 
-__all__ = ["GatherOrderError", "Stage3Params", "grad_reduce_dtype"]
+__all__ = ["GatherOrderError", "Stage3Params"]
 
 ParamInit = Callable[[nn.Parameter], torch.Tensor]  # a parameter's full (local-shape) fp32 initial value
-
-
-def grad_reduce_dtype(cfg: ZeroConfig, dtype: torch.dtype) -> torch.dtype:
-    """The dtype gradients are accumulated and reduced in (``ZeroConfig.grad_dtype``): ``auto`` is fp32 in
-    bf16 and the model dtype otherwise (Megatron-LM and DeepSpeed's bf16 optimizer; fp16 keeps fp16 as in the
-    paper), ``fp32`` always fp32, ``model`` the model dtype."""
-    setting = getattr(cfg, "grad_dtype", "model")  # "model" until the setting exists (helper zero12)
-    if setting == "fp32" or (setting == "auto" and dtype == torch.bfloat16):
-        return torch.float32
-    return dtype
 
 
 def _set_data(p: nn.Parameter, value: torch.Tensor) -> None:
@@ -84,11 +74,12 @@ class Stage3Params:
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, dp_group: Group, cfg: ZeroConfig, *,
                  align: int = 16, isolate: Sequence[nn.Parameter] = (), offload_param: bool = False,
-                 param_init: ParamInit | None = None, device: torch.device | None = None) -> None:
+                 param_init: ParamInit | None = None, device: torch.device | None = None,
+                 grad_dtype: torch.dtype | None = None) -> None:
         self.model, self.dtype, self.dp_group, self.rank, self.cfg = model, dtype, dp_group, dp_group.rank, cfg
         self.overlap_comm, self.reduce_scatter = cfg.overlap_comm, cfg.reduce_scatter
-        self.grad_dtype = grad_reduce_dtype(cfg, dtype)
-        self.max_inflight = max(1, int(getattr(cfg, "max_inflight_buckets", 2)))
+        self.grad_dtype = grad_dtype or dtype  # the optimizer's --grad-dtype (fp32 in bf16 by default)
+        self.max_inflight = cfg.max_inflight_buckets
         self.device = device or next(p.device for p in model.parameters())
         if self.device.type == "meta" and param_init is None:  # the dry run gives both on meta
             raise ValueError("a model built on the meta device needs the ZeRO-3 store's device and param_init")
@@ -135,7 +126,7 @@ class Stage3Params:
         self.sched = GatherScheduler(
             self.units, dp_group, self.device, self._placeholder, prefetch_numel=cfg.stage3_prefetch_bucket_size,
             max_live=cfg.stage3_max_live_parameters,
-            reuse_distance=int(getattr(cfg, "stage3_max_reuse_distance", 1_000_000_000)))
+            reuse_distance=cfg.stage3_max_reuse_distance)
         self._install_hooks()
         self._in_backward = False
         self._touched: set[int] = set()  # chunks this backward ran through
