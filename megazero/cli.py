@@ -44,6 +44,16 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 3,3,2, got {text!r}") from None
 
 
+class _OnOff(argparse.Action):
+    """``--X`` stores True, ``--no-X`` False (one destination, two spellings)."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, not option_string.startswith("--no-"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``pretrain/gpt.py``.
 
@@ -112,7 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "--train-steps", "training.train_steps", "total optimizer steps (also sets the lr schedule)",
         type=int)
     add(g, "--seed", "training.seed", "random seed", type=int)
-    add(g, "--precision", "training.precision", "compute precision", choices=PRECISIONS)
+    add(g, "--precision", "training.precision", "compute precision; None: bf16 on CUDA, fp32 on CPU",
+        choices=PRECISIONS)
+    g.add_argument("--compile", "--no-compile", dest="training.compile", action=_OnOff,
+                   help="torch.compile each transformer block (default: on with CUDA, off on CPU and at ZeRO "
+                   "stage 3)")
+    add(g, "--no-tf32", "training.tf32", "on CUDA, run fp32 matmuls in full fp32 instead of TF32",
+        action="store_const", const=False)
+    add(g, "--peak-tflops", "training.peak_tflops", "one device's peak TFLOP/s for MFU; None: by device name and "
+        "precision (metrics.PEAK_FLOPS)", type=float)
     add(g, "--eval-interval", "training.eval_interval", "steps between evaluations, 0 disables", type=int)
     add(g, "--eval-iters", "training.eval_iters", "batches per evaluation", type=int)
 

@@ -217,7 +217,10 @@ class TrainingConfig:
     gradient_accumulation_steps: int | None = None  # derived: global / (micro * dp)
     train_steps: int = 300
     seed: int = 1234
-    precision: str = "fp32"  # fp32 | bf16 | fp16
+    precision: str | None = None  # fp32 | bf16 | fp16; None: bf16 on CUDA, fp32 on CPU (resolve's device_type)
+    tf32: bool = True  # on CUDA, fp32 matmuls and convolutions use TF32 tensor cores (--no-tf32 turns it off)
+    compile: bool | None = None  # torch.compile each transformer block; None: on CUDA, off on CPU
+    peak_tflops: float | None = None  # one device's peak TFLOP/s for MFU; None: looked up by device name
     eval_interval: int = 100  # 0 disables evaluation
     eval_iters: int = 10
     save: str | None = None
@@ -241,9 +244,9 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     deepspeed_config: str | None = None  # the --deepspeed-config file this was read from, for the record
 
-    def resolve(self, world_size: int) -> Config:
+    def resolve(self, world_size: int, device_type: str = "cpu") -> Config:
         """Derived sizes filled in and every setting validated; see :func:`resolve_config`."""
-        return resolve_config(self, world_size)
+        return resolve_config(self, world_size, device_type)
 
 
 # Choices shared by the command line (megazero.cli) and validation
@@ -273,8 +276,11 @@ def _choice(flag: str, value: Any, choices: tuple[Any, ...]) -> None:
     _require(value in choices, f"{flag} {value!r} is not valid; choose one of {', '.join(map(str, choices))}")
 
 
-def resolve_config(cfg: Config, world_size: int) -> Config:
+def resolve_config(cfg: Config, world_size: int, device_type: str = "cpu") -> Config:
     """A copy of ``cfg`` with derived sizes filled in, after validating every setting.
+
+    ``device_type`` ("cpu" or "cuda") is where the ranks will compute: it picks the defaults of
+    ``training.precision`` (bf16 on CUDA, fp32 on CPU) and ``training.compile`` (on with CUDA only).
 
     Derives ``parallel.dp_size = world_size / (tp * pp)`` when unset, the global batch (``micro * dp *
     accumulation``, accumulation 1 when unset) or the accumulation steps (``global / (micro * dp)``), and
@@ -384,8 +390,14 @@ def resolve_config(cfg: Config, world_size: int) -> Config:
     for key, ratio in (("warmup_min_ratio", s.warmup_min_ratio), ("cos_min_ratio", s.min_ratio)):
         _require(0.0 <= ratio <= 1.0, f"scheduler.params.{key} must be in [0, 1], got {ratio}")
 
-    # Precision and fp16 loss scaling.
+    # Precision and fp16 loss scaling; device-dependent defaults.
+    _choice("device type", device_type, ("cpu", "cuda"))
+    t = replace(t, precision=t.precision or ("bf16" if device_type == "cuda" else "fp32"),
+                compile=device_type == "cuda" and cfg.zero.stage != 3 if t.compile is None else t.compile)
     _choice("--precision", t.precision, PRECISIONS)
+    _require(t.peak_tflops is None or t.peak_tflops > 0, f"--peak-tflops must be positive, got {t.peak_tflops}")
+    _require(not (t.compile and cfg.zero.stage == 3), "--compile with --zero-stage 3 is not supported yet (stage "
+             "3's gather/release hooks sit inside the compiled blocks); pass --no-compile")
     ls = cfg.loss_scale
     if t.precision == "fp16":
         _require(ls.loss_scale >= 0, f"fp16.loss_scale must be >= 0 (0 is dynamic), got {ls.loss_scale}")

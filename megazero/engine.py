@@ -18,6 +18,7 @@ broadcast along the pipeline, so every rank reports the same number.
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 
 import torch
@@ -103,6 +104,13 @@ class Engine:
             shape = (cfg.training.micro_batch_size, seq, m.hidden_size)
             p2p = PipelineP2P(ctx.pp_group, shape, PRECISION_DTYPES[cfg.training.precision], self.device,
                               self.virtual_stages)
+        if self.device.type == "cuda":  # TF32 for fp32 matmuls (--no-tf32 for exact fp32, e.g. parity runs)
+            torch.backends.cuda.matmul.allow_tf32 = cfg.training.tf32
+            torch.backends.cudnn.allow_tf32 = cfg.training.tf32
+        if cfg.training.compile:  # MEGAZERO_COMPILE_BACKEND: another torch.compile backend (tests: aot_eager)
+            backend = os.environ.get("MEGAZERO_COMPILE_BACKEND", "inductor")
+            for chunk in self.chunks:
+                chunk.compile_blocks(backend=backend)
         self.executor = PipelineExecutor(self.chunks, self.specs, p2p, ctx.pp_rank, ctx.pp_size, self.device)
         self.activation_peak_bytes = 0  # most saved-activation bytes held at once, over all steps
         self.step = 0  # optimizer steps taken

@@ -133,13 +133,15 @@ PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
 
 
 def peak_flops_per_device(precision: str, device: torch.device | str | None = None,
-                          device_name: str | None = None) -> float | None:
-    """Peak FLOP/s of one device for ``precision`` (fp32 | bf16 | fp16), or None where unknown (e.g. CPU).
+                          peak_tflops: float | None = None, device_name: str | None = None) -> float | None:
+    """Dense peak FLOP/s of one device for ``precision`` (fp32 | bf16 | fp16), or None where unknown (CPU).
 
-    ``MEGAZERO_PEAK_TFLOPS`` (TFLOP/s, per device) overrides the table; otherwise the CUDA device's name (or
-    ``device_name``) is looked up in :data:`PEAK_FLOPS`. fp32 uses the TF32 rate when PyTorch allows TF32
-    matmuls.
+    ``peak_tflops`` (``--peak-tflops``), else ``MEGAZERO_PEAK_TFLOPS`` (TFLOP/s, per device), overrides the
+    table; otherwise the CUDA device's name (or ``device_name``) is looked up in :data:`PEAK_FLOPS`. fp32
+    uses the TF32 rate when PyTorch allows TF32 matmuls.
     """
+    if peak_tflops is not None:
+        return peak_tflops * 1e12
     env = os.environ.get("MEGAZERO_PEAK_TFLOPS")
     if env:
         return float(env) * 1e12

@@ -100,7 +100,7 @@ def _step_record(cfg: Config, ctx: ParallelContext, engine: Engine, res: StepRes
     m = cfg.model
     speed = throughput(res.tokens, m.seq_len, step_seconds, ctx.world_size, m.num_layers, m.hidden_size,
                        engine.padded_vocab_size, cfg.activation_checkpointing.mode,
-                       peak_flops_per_device(cfg.training.precision, engine.device))
+                       peak_flops_per_device(cfg.training.precision, engine.device, cfg.training.peak_tflops))
     return {
         "step": res.step, "loss": res.loss, "eval_loss": eval_loss, "lr": res.lr, "grad_norm": res.grad_norm,
         "loss_scale": res.loss_scale, **speed,

@@ -66,12 +66,13 @@ def main(argv: list[str] | None = None) -> int:
         return dry_run_main(argv)
     env = detect_env()
     try:
-        cfg = parse_args(argv).resolve(env.world_size)
+        cfg = parse_args(argv)
+        backend = cfg.parallel.backend or default_backend()
+        cfg = cfg.resolve(env.world_size, device_type="cuda" if backend == "nccl" else "cpu")
     except (ConfigError, TopologyError) as e:
         print(f"error (rank {env.rank}): {e}", file=sys.stderr)
         return 2
     log = setup_logging(env.rank, env.world_size)
-    backend = cfg.parallel.backend or default_backend()
     init_distributed(backend, cfg.parallel.dist_timeout_s)
     try:
         ctx = ParallelContext.from_grid(

@@ -244,7 +244,8 @@ def test_deepspeed_auto_defers_to_flags_and_defaults(tmp_path: Path) -> None:
     assert (cfg.training.global_batch_size, cfg.zero.stage, cfg.optimizer.lr) == (64, 2, 5e-4)
     default = Config()
     assert (cfg.optimizer.betas, cfg.optimizer.weight_decay) == (default.optimizer.betas, default.optimizer.weight_decay)
-    assert cfg.optimizer.clip_grad == default.optimizer.clip_grad and cfg.training.precision == "fp32"
+    assert cfg.optimizer.clip_grad == default.optimizer.clip_grad and cfg.training.precision is None
+    assert cfg.resolve(1).training.precision == "fp32"  # the CPU default; bf16 with device_type="cuda"
     assert load_deepspeed_config(ds).values["optimizer.name"] == "adamw"  # dicts are accepted directly
 
 

@@ -58,6 +58,11 @@ class Dropout(nn.Dropout):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rng_tracker is None or not self.training or self.p == 0:
             return super().forward(x)
+        return self._forked(x)
+
+    @torch.compiler.disable
+    def _forked(self, x: torch.Tensor) -> torch.Tensor:
+        """Dropout on the TP rank's own stream; eager under torch.compile (the RNG state swap is not traced)."""
         with self.rng_tracker.fork():
             return super().forward(x)
 
@@ -101,7 +106,11 @@ class CausalSelfAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         if dropout_p == 0 or self.rng_tracker is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
-        with self.rng_tracker.fork():  # this rank's heads: its own dropout mask
+        return self._attend_forked(q, k, v, dropout_p)
+
+    @torch.compiler.disable
+    def _attend_forked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+        with self.rng_tracker.fork():  # this rank's heads: its own dropout mask (eager under torch.compile)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
 
     def _core(self, qkv: torch.Tensor) -> torch.Tensor:
@@ -111,12 +120,17 @@ class CausalSelfAttention(nn.Module):
         y = self._attend(q, k, v)  # [B, nh/tp, S, hd]
         return rearrange(y, "b nh s hd -> b s (nh hd)")  # [B, S, H/tp]
 
+    @torch.compiler.disable
+    def _recomputed_core(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The core under selective recomputation; eager under torch.compile (re-entrant checkpoint)."""
+        return checkpoint(self._core, qkv, options=self.recompute)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)  # [B, S, 3H/tp]
         if self.recompute is None:
             y = self._core(qkv)
         else:  # keep only qkv; recompute the core in backward (its heads differ per rank: never partitioned)
-            y = checkpoint(self._core, qkv, options=self.recompute)
+            y = self._recomputed_core(qkv)
         return self.resid_dropout(self.proj(y))  # [B, S, H] summed over TP ranks ([B, S/tp, H] with SP)
 
 
@@ -225,6 +239,18 @@ class GPT(nn.Module):
         for p in self.parameters():
             if p.shard_spec.partition_dim is None:
                 p.register_hook(all_reduce)
+
+    def compile_blocks(self, **options) -> None:
+        """``torch.compile`` each transformer block's forward (``options`` go to ``torch.compile``).
+
+        The embeddings, the LM head and the chunked loss stay eager. Inside a block, what Dynamo cannot trace
+        (the TP collectives, the RNG tracker's state swap, selective recomputation) splits the block into
+        several graphs and runs eagerly in between, so results do not change. Saved-tensor hooks (the
+        activation counter) stay active under compile. Dropout inside a compiled block draws from
+        Inductor's own random stream, so its masks differ from eager mode's (each still reproducible).
+        """
+        for block in self.blocks.values():
+            block.forward = torch.compile(block.forward, dynamic=False, **options)
 
     @property
     def padded_vocab_size(self) -> int:

@@ -125,6 +125,12 @@ def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     """A column-parallel linear on a sequence shard [B, S/tp, in] -> [B, S, out/tp] (all-gather inside)."""
     if group is None or group.size == 1:
         return F.linear(x, weight, bias)
+    return _gather_linear(x, weight, bias, group)
+
+
+@torch.compiler.disable
+def _gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group) -> torch.Tensor:
+    """Eager under torch.compile: the collectives inside are not traced (see ``mappings._apply``)."""
     return _GatherLinear.apply(x, weight, bias, group)
 
 

@@ -167,36 +167,44 @@ class _GatherFromTP(torch.autograd.Function):
         return _split_last(g, ctx.group), None
 
 
+@torch.compiler.disable
+def _apply(fn: type[torch.autograd.Function], x: torch.Tensor, group: Group) -> torch.Tensor:
+    """``fn.apply(x, group)`` run eagerly: under ``torch.compile`` a block splits into graphs here, since the
+    collective and the ledger's Python counters are side effects Dynamo must not trace (it would recompile
+    on every call)."""
+    return fn.apply(x, group)
+
+
 def copy_to_tp_region(x: torch.Tensor, group: Group | None) -> torch.Tensor:
     """Identity forward, all-reduce of the gradient backward (input of a column-parallel layer)."""
-    return x if group is None or group.size == 1 else _CopyToTP.apply(x, group)
+    return x if group is None or group.size == 1 else _apply(_CopyToTP, x, group)
 
 
 def reduce_from_tp_region(x: torch.Tensor, group: Group | None) -> torch.Tensor:
     """All-reduce forward, identity backward (output of a row-parallel layer)."""
-    return x if group is None or group.size == 1 else _ReduceFromTP.apply(x, group)
+    return x if group is None or group.size == 1 else _apply(_ReduceFromTP, x, group)
 
 
 def scatter_to_tp_region(x: torch.Tensor, group: Group | None) -> torch.Tensor:
     """Keep this rank's chunk of the last dimension; all-gather the gradient."""
-    return x if group is None or group.size == 1 else _ScatterToTP.apply(x, group)
+    return x if group is None or group.size == 1 else _apply(_ScatterToTP, x, group)
 
 
 def gather_from_tp_region(x: torch.Tensor, group: Group | None) -> torch.Tensor:
     """All-gather along the last dimension; keep this rank's chunk of the gradient."""
-    return x if group is None or group.size == 1 else _GatherFromTP.apply(x, group)
+    return x if group is None or group.size == 1 else _apply(_GatherFromTP, x, group)
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group | None) -> torch.Tensor:
     """Keep this rank's chunk of the sequence [B, S/tp, ...]; all-gather the gradient."""
-    return x if group is None or group.size == 1 else _ScatterToSP.apply(x, group)
+    return x if group is None or group.size == 1 else _apply(_ScatterToSP, x, group)
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, group: Group | None) -> torch.Tensor:
     """All-gather the sequence [B, S, ...] (input of a TP layer); reduce-scatter the gradient."""
-    return x if group is None or group.size == 1 else _GatherFromSP.apply(x, group)
+    return x if group is None or group.size == 1 else _apply(_GatherFromSP, x, group)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group | None) -> torch.Tensor:
     """Sum partial outputs over the group, keeping this rank's sequence chunk; all-gather the gradient."""
-    return x if group is None or group.size == 1 else _ReduceScatterToSP.apply(x, group)
+    return x if group is None or group.size == 1 else _apply(_ReduceScatterToSP, x, group)
