@@ -166,11 +166,13 @@ def run_training(cfg: Config, ctx: ParallelContext, device: torch.device | None 
             step_start = time.perf_counter()
             batch = [collate(train_ds, idx) for idx in sampler.next_global_batch()]
             logged = step % cfg.logging.log_interval == 0 or step == 1 or step == t.train_steps
-            with peak_tracker if logged else contextlib.nullcontext():
+            # a dispatch mode makes Dynamo skip the compiled blocks for good: no tracker under --compile
+            tracked = logged and not t.compile
+            with peak_tracker if tracked else contextlib.nullcontext():
                 res = engine.train_step(batch)
             maybe_inject_fault("step", ctx.rank, step)
             step_seconds = time.perf_counter() - step_start
-            if not logged:
+            if not tracked:
                 untracked_seconds = step_seconds
             summary.losses.append(res.loss)
             summary.tokens += res.tokens
@@ -187,7 +189,7 @@ def run_training(cfg: Config, ctx: ParallelContext, device: torch.device | None 
             engine.optimizer.check_skipped_steps(step)  # non-finite gradient norms: skipped, stop after too many
             if logged or samples:
                 record = _step_record(cfg, ctx, engine, res, untracked_seconds or step_seconds, eval_loss,
-                                      peak_tracker.result() if logged else None)
+                                      peak_tracker.result() if tracked else None)
                 if record is not None:
                     if samples:
                         record["samples"] = samples
