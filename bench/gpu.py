@@ -1,0 +1,307 @@
+"""Single-GPU throughput: megazero against a plain PyTorch GPT-2 (bench/plain_gpt.py), same shapes, same run.
+
+    python bench/gpu.py --model gpt2-1.3b                       # one model per call (each well under 10 min)
+    python bench/gpu.py --model gpt2-124m --micro-batch-size 16 # a fixed micro-batch instead of the search
+    python bench/gpu.py --offload optimizer                     # largest GPT trainable with ZeRO-Offload
+    python bench/gpu.py --offload all                           #   ... with optimizer + parameter offload
+    python bench/gpu.py --device cpu --model tiny --steps 2     # CPU smoke run (tests/test_bench_gpu.py)
+
+Prints the GPU's name and torch version, a bf16 matmul ceiling measured on the spot (8192^3, median of 10),
+then for megazero and for the plain model: micro-batch, median step time, tokens/s, model TFLOP/s per GPU
+(Megatron-LM's FLOPs count, metrics.megatron_model_flops), MFU against the card's dense bf16 peak
+(metrics.PEAK_FLOPS) and against the measured ceiling, peak device memory and, for megazero, the memory
+estimator's figure (megazero/estimate.py). The micro-batch is the largest power of two the estimator says
+fits in 90% of the device, lowered by halving on out-of-memory; both models use the one megazero ran.
+``--json`` writes every figure. ``--offload`` sizes a GPT (hidden 4096, 32 heads, layers grown) to the
+largest the estimator says fits the host memory (fp32 master + Adam moments + an fp32 gradient copy:
+16 bytes per parameter) and the device, trains it a few steps and states that host bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from bench.plain_gpt import PlainGPT, make_optimizer  # noqa: E402
+from megazero.cli import parse_args  # noqa: E402
+from megazero.config import ModelConfig, model_preset  # noqa: E402
+from megazero.distributed import init_distributed  # noqa: E402
+from megazero.engine import Engine  # noqa: E402
+from megazero.estimate import activation_bytes, model_state_bytes, padded_vocab_size  # noqa: E402
+from megazero.metrics import megatron_model_flops, peak_flops_per_device  # noqa: E402
+from megazero.parallel_context import ParallelContext, RankGrid  # noqa: E402
+
+HOST_BYTES_PER_PARAM = 16  # offload: fp32 master 4 + Adam moments 8 + the fp32 gradient partition copy 4
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_ceiling(device: torch.device) -> float:
+    """Measured matmul FLOP/s: bf16 8192^3 on CUDA (fp32 512^3 on CPU), median of 10 after 3 warm-ups."""
+    n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (512, torch.float32)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    times = []
+    for i in range(13):
+        _sync(device)
+        t = time.perf_counter()
+        a @ b
+        _sync(device)
+        if i >= 3:
+            times.append(time.perf_counter() - t)
+    return 2 * n**3 / statistics.median(times)
+
+
+def _batch(b: int, s: int, vocab: int, device: torch.device, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, vocab, (b, s + 1), generator=g)
+    if device.type == "cuda":
+        x = x.pin_memory()
+    return x[:, :-1], x[:, 1:]
+
+
+def _timed(step, n_warmup: int, n_steps: int, device: torch.device) -> tuple[list[float], list[float]]:
+    """(losses, step seconds) of ``n_warmup`` untimed and ``n_steps`` timed calls of ``step``."""
+    losses, times = [], []
+    for i in range(n_warmup + n_steps):
+        _sync(device)
+        t = time.perf_counter()
+        loss = step()
+        _sync(device)
+        if i >= n_warmup:
+            times.append(time.perf_counter() - t)
+        losses.append(loss)
+    return losses, times
+
+
+def _flags(model: str, m: ModelConfig, micro: int, precision: str, compile_: bool, extra: list[str]) -> list[str]:
+    return ["--model", model, "--num-layers", str(m.num_layers), "--hidden-size", str(m.hidden_size),
+            "--num-heads", str(m.num_heads), "--seq-len", str(m.seq_len), "--micro-batch-size", str(micro),
+            "--precision", precision, "--compile" if compile_ else "--no-compile", "--lr", "1e-4",
+            "--train-steps", "1000", "--clip-grad", "1.0", *extra]
+
+
+def run_megazero(ctx, model: str, m: ModelConfig, micro: int, args, device: torch.device, extra=()) -> dict:
+    cfg = parse_args(_flags(model, m, micro, args.precision, args.compile, list(extra)))
+    cfg = cfg.resolve(1, device_type=device.type)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    engine = Engine(cfg, ctx, device)
+    build_s = time.perf_counter() - t0
+    batch = [_batch(micro, m.seq_len, m.vocab_size, device)]
+    losses, times = _timed(lambda: engine.train_step(batch).loss, args.warmup, args.steps, device)
+    z = cfg.zero
+    numels = [p.numel() for p in engine.model.parameters()]
+    states = model_state_bytes(numels, z.stage, 1, cfg.training.precision,
+                               offload_optimizer=z.offload_optimizer == "cpu", offload_param=z.offload_param == "cpu")
+    est = states.device + activation_bytes(m, micro, precision=cfg.training.precision)
+    out = {"micro_batch": micro, "losses": losses, "step_s": times, "build_s": build_s,
+           "params": sum(numels), "estimate_device_bytes": est, "estimate_host_bytes": states.offloaded,
+           "precision": cfg.training.precision, "compile": cfg.training.compile}
+    if device.type == "cuda":
+        out["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
+    del engine
+    return out
+
+
+def run_plain(m: ModelConfig, micro: int, args, device: torch.device) -> dict:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    torch.manual_seed(0)
+    model = PlainGPT(m.num_layers, m.hidden_size, m.num_heads, m.seq_len, m.vocab_size).to(device)
+    opt = make_optimizer(model)
+    fwd = torch.compile(model) if args.compile else model
+    x, y = _batch(micro, m.seq_len, m.vocab_size, device)
+    bf16 = args.precision == "bf16"
+
+    def step() -> float:
+        xs, ys = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = fwd(xs, ys)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    losses, times = _timed(step, args.warmup, args.steps, device)
+    out = {"micro_batch": micro, "losses": losses, "step_s": times}
+    if device.type == "cuda":
+        out["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
+    return out
+
+
+def _speed(res: dict, m: ModelConfig, peak: float | None, ceiling: float) -> dict:
+    sec = statistics.median(res["step_s"])
+    flops = megatron_model_flops(res["micro_batch"], m.seq_len, m.num_layers, m.hidden_size,
+                                 padded_vocab_size(m.vocab_size, 1))
+    res.update(median_step_s=sec, tokens_per_s=res["micro_batch"] * m.seq_len / sec,
+               tflops_per_gpu=flops / sec / 1e12, mfu=flops / sec / peak if peak else None,
+               mfu_vs_measured_ceiling=flops / sec / ceiling)
+    return res
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def search_micro_batch(ctx, model: str, m: ModelConfig, args, device: torch.device) -> tuple[int, dict]:
+    """Largest power of two the estimator fits in 90% of the device, halved on out-of-memory."""
+    if args.micro_batch_size:
+        return args.micro_batch_size, run_megazero(ctx, model, m, args.micro_batch_size, args, device)
+    if device.type != "cuda":  # CPU smoke run: no search
+        return 2, run_megazero(ctx, model, m, 2, args, device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    psi = m.num_parameters()
+    states = model_state_bytes(psi, 0, 1, args.precision).total + 2 * psi  # fp32 gradients in bf16
+    micro = 1
+    while micro < 256 and states + activation_bytes(m, 2 * micro, precision=args.precision) < 0.9 * total:
+        micro *= 2
+    while True:
+        try:
+            return micro, run_megazero(ctx, model, m, micro, args, device)
+        except Exception as e:  # noqa: BLE001 - an OOM anywhere in the step: halve
+            if not _is_oom(e) or micro == 1:
+                raise
+            print(f"micro-batch {micro}: out of memory, trying {micro // 2}", flush=True)
+            micro //= 2
+            torch.cuda.empty_cache()
+
+
+def host_memory_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+    return info["MemTotal"]
+
+
+def offload_model(mode: str, device: torch.device, args) -> tuple[ModelConfig, dict]:
+    """The largest GPT of hidden 4096 / 32 heads / seq 1024 whose offloaded states fit 90% of host memory and
+    whose device share (bf16 parameters, fp32 gradients, activations at micro-batch 1) fits 90% of the GPU."""
+    if args.device == "cpu":
+        base = ModelConfig(num_layers=2, hidden_size=128, num_heads=4, seq_len=128, vocab_size=1024)
+        return base, {"host_bytes": host_memory_bytes(), "layers": 2}
+    host, gpu = host_memory_bytes(), torch.cuda.get_device_properties(device).total_memory
+    best = None
+    for layers in range(1, 400):
+        m = ModelConfig(num_layers=layers, hidden_size=4096, num_heads=32, seq_len=1024, vocab_size=50257)
+        psi = m.num_parameters()
+        st = model_state_bytes(psi, 3 if mode == "all" else 1, 1, "bf16", offload_optimizer=True,
+                               offload_param=mode == "all")
+        host_need = HOST_BYTES_PER_PARAM * psi + (2 * psi if mode == "all" else 0)
+        dev_need = st.device + 2 * psi + activation_bytes(m, 1, precision="bf16")  # + fp32 grads (4 B) vs 2
+        if host_need > 0.9 * host or dev_need > 0.9 * gpu:
+            break
+        best = (m, {"host_bytes": host, "device_bytes": gpu, "layers": layers, "params": psi,
+                    "host_need_bytes": host_need, "device_need_bytes": dev_need,
+                    "host_bound_params": 0.9 * host / (HOST_BYTES_PER_PARAM + (2 if mode == "all" else 0))})
+    if best is None:
+        raise RuntimeError("not even one layer fits")
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="gpt2-124m", choices=("tiny", "gpt2-124m", "gpt2-350m", "gpt2-760m",
+                                                             "gpt2-1.3b"))
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--micro-batch-size", type=int, default=None, help="default: the largest that fits")
+    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
+    p.add_argument("--precision", default=None, choices=("bf16", "fp32"), help="default: bf16 on CUDA")
+    p.add_argument("--compile", default=None, action=argparse.BooleanOptionalAction, help="default: on CUDA")
+    p.add_argument("--no-plain", action="store_true", help="skip the plain PyTorch baseline")
+    p.add_argument("--offload", choices=("optimizer", "all"), default=None,
+                   help="instead: the largest GPT with optimizer (or optimizer + parameter) offload")
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: no CUDA device here (use --device cpu --model tiny for a smoke run)")
+    args.precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
+    args.compile = device.type == "cuda" if args.compile is None else args.compile
+    os.environ.setdefault("MEGAZERO_COMPILE_BACKEND", "inductor" if device.type == "cuda" else "aot_eager")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"device: {name}; torch {torch.__version__}; precision {args.precision}; compile {args.compile}",
+          flush=True)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    init_distributed("nccl" if device.type == "cuda" else "gloo")
+    ctx = ParallelContext.from_grid(RankGrid(1, 1, 1, 1))
+    ceiling = matmul_ceiling(device)
+    peak = peak_flops_per_device(args.precision, device)
+    print(f"matmul ceiling measured: {ceiling / 1e12:.1f} TFLOP/s; datasheet dense peak: "
+          f"{peak / 1e12 if peak else float('nan'):.1f} TFLOP/s", flush=True)
+    out: dict = {"device": name, "torch": torch.__version__, "precision": args.precision, "compile": args.compile,
+                 "matmul_ceiling_tflops": ceiling / 1e12, "peak_tflops": peak / 1e12 if peak else None}
+
+    if args.offload:
+        m, bound = offload_model(args.offload, device, args)
+        extra = ["--zero-stage", "3", "--offload-optimizer", "--offload-param"] if args.offload == "all" else \
+            ["--zero-stage", "1", "--offload-optimizer"]
+        extra += ["--no-compile"] if args.offload == "all" else []
+        print(f"offload {args.offload}: {m.num_layers} layers x 4096 = {m.num_parameters() / 1e9:.2f}B parameters;"
+              f" host {bound['host_bytes'] / 2**30:.0f} GiB bounds it at "
+              f"{bound.get('host_bound_params', 0) / 1e9:.2f}B", flush=True)
+        res = _speed(run_megazero(ctx, "tiny", m, 1, args, device, extra), m, peak, ceiling)
+        out.update(offload=args.offload, model=vars_of(m), bound=bound, megazero=res)
+        print(f"trained {len(res['losses'])} steps, losses {[round(x, 3) for x in res['losses']]}, "
+              f"{res['median_step_s']:.2f} s/step, {res['tflops_per_gpu']:.1f} TFLOP/s", flush=True)
+    else:
+        m = model_preset(args.model)
+        micro, res = search_micro_batch(ctx, args.model, m, args, device)
+        out["model"] = args.model
+        out["megazero"] = _speed(res, m, peak, ceiling)
+        if not args.no_plain:
+            out["plain"] = _speed(run_plain(m, micro, args, device), m, peak, ceiling)
+            out["ratio_tokens_per_s"] = out["megazero"]["tokens_per_s"] / out["plain"]["tokens_per_s"]
+        print(f"\n{args.model} on {name}, seq {m.seq_len}, micro-batch {micro}, {args.precision}, torch "
+              f"{torch.__version__}\n")
+        print("| run | tokens/s | TFLOP/s | MFU (datasheet) | MFU (measured matmul) | peak mem GiB | estimate GiB |")
+        print("|---|---|---|---|---|---|---|")
+        for key in ("megazero", "plain"):
+            r = out.get(key)
+            if r is None:
+                continue
+            mem = r.get("peak_device_bytes")
+            est = r.get("estimate_device_bytes")
+            print(f"| {key} | {r['tokens_per_s']:,.0f} | {r['tflops_per_gpu']:.1f} | "
+                  f"{_pct(r['mfu'])} | {_pct(r['mfu_vs_measured_ceiling'])} | "
+                  f"{_gib(mem)} | {_gib(est)} |")
+        if "ratio_tokens_per_s" in out:
+            print(f"\nmegazero / plain tokens/s: {out['ratio_tokens_per_s']:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    sys.stdout.flush()
+    os._exit(0)  # skip process-group teardown races at exit
+
+
+def vars_of(m: ModelConfig) -> dict:
+    return {k: getattr(m, k) for k in ("num_layers", "hidden_size", "num_heads", "seq_len", "vocab_size")}
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None or math.isnan(x) else f"{100 * x:.1f}%"
+
+
+def _gib(x: float | None) -> str:
+    return "n/a" if x is None else f"{x / 2**30:.2f}"
+
+
+if __name__ == "__main__":
+    main()
