@@ -113,7 +113,6 @@ def run_megazero(ctx, model: str, m: ModelConfig, micro: int, args, device: torc
            "precision": cfg.training.precision, "compile": cfg.training.compile}
     if device.type == "cuda":
         out["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
-    del engine
     return out
 
 
