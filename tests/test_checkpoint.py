@@ -81,7 +81,10 @@ def test_reshard_on_load_continues_the_uninterrupted_run(chain):
     assert manifest["zero_stage"] == 3 and manifest["consumed_samples"] == 24 and len(manifest["files"]) == 8
     qkv = manifest["tensors"]["blocks.0.attn.qkv.weight"]
     assert qkv["shape"] == [192, 64] and qkv["local_shape"] == [96, 64] and qkv["stride"] == 3
-    assert {(p["tp"], p["dp"]) for p in qkv["pieces"]} == {(0, 0), (0, 1), (1, 0), (1, 1)}  # TP x ZeRO-3 slices
+    assert {p["tp"] for p in qkv["pieces"]} == {0, 1}  # both TP shards
+    # ZeRO-3 shards each transformer block's flat buffer over DP: the block's pieces come from both DP ranks
+    block = [t for n, t in manifest["tensors"].items() if n.startswith("blocks.0.")]
+    assert {(p["tp"], p["dp"]) for t in block for p in t["pieces"]} == {(0, 0), (0, 1), (1, 0), (1, 1)}
     ln = manifest["tensors"]["blocks.0.ln_1.weight"]  # replicated over TP: saved once, by TP rank 0
     assert ln["partition_dim"] is None and {p["tp"] for p in ln["pieces"]} == {0}
 
