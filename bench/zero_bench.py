@@ -69,6 +69,8 @@ from tests.dist import WorldError, run_world  # noqa: E402
 
 SEED = 1234
 LOSS_TOLERANCE = 1e-4  # relative, vs DDP, for the sanity verdict (fp32 parity tests hold 1e-5 over 10 steps)
+BF16_LOSS_TOLERANCE = 2e-2  # bf16 runs differ in rounding (and DDP's autocast from a bf16 master copy)
+STATE_FORMULA = {0: 16, 1: 4 + 4 + 8 / 4, 2: 4 + 12 / 4, 3: 16 / 4}  # fp32 bytes/param at dp 4, ZeRO paper
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,14 @@ def _rss_mb() -> tuple[float, float]:
 _WALK_PACKAGES = ("torch", "deepspeed", "megazero")
 
 
-def held_storage_bytes(roots: list[Any]) -> list[int]:
+def held_tensors(roots: list[Any]) -> list[torch.Tensor]:
+    """The tensors :func:`held_storage_bytes` walks (DTensors by their local shard)."""
+    out: list[torch.Tensor] = []
+    held_storage_bytes(roots, out)
+    return out
+
+
+def held_storage_bytes(roots: list[Any], found: list | None = None) -> list[int]:
     """Sizes of the distinct memory blocks behind the tensors reachable from ``roots`` through containers, module
     members and the attributes of torch/DeepSpeed/megazero objects (a parameter's ``.grad`` included; a DTensor
     counts its local shard; storages resized to 0, such as released ZeRO-3/FSDP buffers, are left out).
@@ -172,6 +181,8 @@ def held_storage_bytes(roots: list[Any]) -> list[int]:
                 stack.append(obj._local_tensor)
             else:
                 st = obj.untyped_storage()
+                if found is not None:
+                    found.append(obj)
                 if st.nbytes() and obj.device.type != "meta":  # meta tensors (DeepSpeed's shape records) own no memory
                     ranges.add((st.data_ptr(), st.data_ptr() + st.nbytes()))
             if obj.is_leaf:
@@ -203,6 +214,25 @@ class Setup:
     model_state_bytes: Any = None  # () -> int, where the contender measures itself
     hidden_bytes: int = 0  # model-state bytes no Python object exposes (DDP's reducer buckets)
     close: Any = None
+    buffers: Any = None  # () -> {category: tensors}, for the peak tracker's breakdown
+    forward_modules: list = field(default_factory=list)
+
+
+def _torch_buffers(model: nn.Module, opt: Any) -> Any:
+    """Categories of a torch contender's tensors: parameters (DTensors by their local shard), ``.grad`` and the
+    optimizer's state (ZeroRedundancyOptimizer: its local optimizer)."""
+    def local(t):
+        return getattr(t, "_local_tensor", t)
+
+    def buffers():
+        params = list(model.parameters())
+        inner = getattr(opt, "optim", opt)
+        states = [local(v) for st in inner.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        return {"params": [local(p) for p in params],
+                "grads": [local(p.grad) if p.grad is not None else None for p in params],
+                "optimizer_states": states}
+
+    return buffers
 
 
 def _mz_state_bytes(opt) -> int:
@@ -210,11 +240,13 @@ def _mz_state_bytes(opt) -> int:
     return sum(b[k] for k in ("params_bytes", "grads_bytes", "master_params_bytes", "optimizer_states_bytes"))
 
 
-def _setup_megazero(ctx, c: Contender, cfg: ModelConfig, opt_cfg: OptimizerConfig, tokens: int, **_) -> Setup:
+def _setup_megazero(ctx, c: Contender, cfg: ModelConfig, opt_cfg: OptimizerConfig, tokens: int, precision: str,
+                    **_) -> Setup:
+    from megazero.memory import zero_buffers
     from megazero.zero import ZeroOptimizer
 
     model = _model(cfg)
-    opt = ZeroOptimizer(model, ZeroConfig(stage=c.stage, **c.zero), opt_cfg, ctx.dp_group)
+    opt = ZeroOptimizer(model, ZeroConfig(stage=c.stage, **c.zero), opt_cfg, ctx.dp_group, precision=precision)
 
     def step(x, y):
         opt.zero_grad()
@@ -223,7 +255,8 @@ def _setup_megazero(ctx, c: Contender, cfg: ModelConfig, opt_cfg: OptimizerConfi
         opt.step(opt_cfg.lr)
         return loss.detach()
 
-    return Setup(step, [model, opt], model_state_bytes=lambda: _mz_state_bytes(opt))
+    return Setup(step, [model, opt], model_state_bytes=lambda: _mz_state_bytes(opt),
+                 buffers=lambda: zero_buffers(opt), forward_modules=[model])
 
 
 def _setup_engine(ctx, c: Contender, cfg: ModelConfig, opt_cfg: OptimizerConfig, tokens: int, micro: int,
@@ -244,10 +277,12 @@ def _setup_engine(ctx, c: Contender, cfg: ModelConfig, opt_cfg: OptimizerConfig,
                  model_state_bytes=lambda: _mz_state_bytes(engine.optimizer))
 
 
-def _torch_step(model: nn.Module, opt: torch.optim.Optimizer, params: list, clip: float, local_tokens: int):
+def _torch_step(model: nn.Module, opt: torch.optim.Optimizer, params: list, clip: float, local_tokens: int,
+                autocast: bool = False):
     def step(x, y):
         opt.zero_grad(set_to_none=True)
-        loss = model(x, y).sum()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(x, y).sum()
         (loss / local_tokens).backward()  # DDP/FSDP average gradients over ranks: the global mean
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(params, clip)
@@ -258,7 +293,7 @@ def _torch_step(model: nn.Module, opt: torch.optim.Optimizer, params: list, clip
 
 
 def _setup_ddp(ctx, c: Contender, cfg: ModelConfig, opt_cfg: OptimizerConfig, local_tokens: int, adam: str,
-               **_) -> Setup:
+               precision: str, **_) -> Setup:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = _model(cfg)
@@ -272,26 +307,32 @@ def _setup_ddp(ctx, c: Contender, cfg: ModelConfig, opt_cfg: OptimizerConfig, lo
         opt = torch.optim.AdamW(groups, **_adamw_kwargs(opt_cfg, adam))
     # the reducer's flat gradient buckets (gradient_as_bucket_view=False, the default): Ψ elements in C++
     hidden = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    return Setup(_torch_step(ddp, opt, list(model.parameters()), opt_cfg.clip_grad, local_tokens), [model, opt],
-                 hidden_bytes=hidden)
+    # bf16: torch's autocast (fp32 parameters, gradients and AdamW; bf16 compute), what a DDP user runs
+    return Setup(_torch_step(ddp, opt, list(model.parameters()), opt_cfg.clip_grad, local_tokens,
+                             autocast=precision == "bf16"), [model, opt],
+                 hidden_bytes=hidden, buffers=_torch_buffers(model, opt), forward_modules=[model])
 
 
 def _setup_fsdp2(ctx, c: Contender, cfg: ModelConfig, opt_cfg: OptimizerConfig, local_tokens: int, adam: str,
-                 **_) -> Setup:
+                 precision: str, **_) -> Setup:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = _model(cfg)
     mesh = init_device_mesh("cpu", (ctx.dp_size,))
+    # bf16: bf16 gathered parameters and compute, fp32 gradient reduction and fp32 sharded parameters + AdamW
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if precision == "bf16" else MixedPrecisionPolicy()
     for block in model.blocks.values():
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)  # the root: embeddings, tied LM head, final LayerNorm
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)  # the root: embeddings, tied LM head, final LayerNorm
     opt = torch.optim.AdamW(_adamw_groups(model, opt_cfg), **_adamw_kwargs(opt_cfg, adam))
-    return Setup(_torch_step(model, opt, list(model.parameters()), opt_cfg.clip_grad, local_tokens), [model, opt])
+    return Setup(_torch_step(model, opt, list(model.parameters()), opt_cfg.clip_grad, local_tokens), [model, opt],
+                 buffers=_torch_buffers(model, opt), forward_modules=[model])
 
 
 def _setup_deepspeed(ctx, c: Contender, cfg: ModelConfig, opt_cfg: OptimizerConfig, local_tokens: int,
-                     micro: int, adam: str, **_) -> Setup:
+                     micro: int, adam: str, precision: str, **_) -> Setup:
     import logging
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -312,7 +353,7 @@ def _setup_deepspeed(ctx, c: Contender, cfg: ModelConfig, opt_cfg: OptimizerConf
         "zero_optimization": {"stage": c.stage, **c.zero},
         "zero_allow_untested_optimizer": True,
         "fp16": {"enabled": False},
-        "bf16": {"enabled": False},
+        "bf16": {"enabled": precision == "bf16"},  # bf16 params/compute, fp32 master, gradients and AdamW
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
@@ -330,7 +371,8 @@ def _setup_deepspeed(ctx, c: Contender, cfg: ModelConfig, opt_cfg: OptimizerConf
     def close():
         engine.destroy()
 
-    return Setup(step, [engine, ds_opt, model], close=close)
+    return Setup(step, [engine, ds_opt, model], close=close, buffers=_torch_buffers(model, opt),
+                 forward_modules=[model])
 
 
 SETUPS = {"megazero": _setup_megazero, "engine": _setup_engine, "ddp": _setup_ddp, "torch-zero1": _setup_ddp,
@@ -338,19 +380,19 @@ SETUPS = {"megazero": _setup_megazero, "engine": _setup_engine, "ddp": _setup_dd
 
 
 def _rank_run(ctx, c: Contender, cfg: ModelConfig, opt_cfg: OptimizerConfig, micro: int, warmup: int, steps: int,
-              adam: str, profile_dir: str | None = None) -> dict:
+              adam: str, profile_dir: str | None = None, precision: str = "fp32", peak: bool = True) -> dict:
     warnings.filterwarnings("ignore")
     total = warmup + steps
-    batches = _global_batches(cfg, micro * ctx.dp_size, total)
+    batches = _global_batches(cfg, micro * ctx.dp_size, total + 1)  # + 1: the step whose peak is measured
     r = ctx.dp_rank
     local = [(x[r * micro: (r + 1) * micro], y[r * micro: (r + 1) * micro]) for x, y in batches]
     tokens = micro * ctx.dp_size * cfg.seq_len
     setup = SETUPS[c.kind](ctx, c, cfg, opt_cfg, tokens=tokens, local_tokens=micro * cfg.seq_len, micro=micro,
-                           adam=adam)
+                           adam=adam, precision=precision)
     times, cpu, losses = [], [], []
     prof = None
     gc.collect()
-    for i, (x, y) in enumerate(local):
+    for i, (x, y) in enumerate(local[:total]):
         if i == warmup and profile_dir and ctx.rank == 0:
             from torch.profiler import ProfilerActivity, profile
 
@@ -370,6 +412,19 @@ def _rank_run(ctx, c: Contender, cfg: ModelConfig, opt_cfg: OptimizerConfig, mic
         prof.export_chrome_trace(os.path.join(profile_dir, f"{c.name}.trace.json"))
     loss = torch.stack([v.double().reshape(()) for v in losses])
     dist.all_reduce(loss)
+    step_peak = None
+    if peak:  # one more step, untimed, under megazero's tracker (it slows the step it measures)
+        from megazero.memory import PeakMemoryTracker
+
+        tracker = PeakMemoryTracker("cpu", setup.buffers, setup.forward_modules,
+                                    baseline=lambda: held_tensors(setup.roots))
+        dist.barrier()
+        with tracker:
+            setup.step(*local[total])
+        step_peak = dict(tracker.result())
+        if setup.hidden_bytes:  # DDP's reducer buckets, allocated in C++ before the step: alive throughout
+            step_peak["peak_bytes"] += setup.hidden_bytes
+            step_peak["peak_by_category"]["comm_buffers"] += setup.hidden_bytes
     storages = held_storage_bytes(setup.roots)
     walked = sum(storages) + setup.hidden_bytes
     state_bytes = setup.model_state_bytes() if setup.model_state_bytes is not None else walked
@@ -377,7 +432,8 @@ def _rank_run(ctx, c: Contender, cfg: ModelConfig, opt_cfg: OptimizerConfig, mic
     if setup.close is not None:
         setup.close()
     return {"times": times[warmup:], "cpu": cpu[warmup:], "losses": (loss / tokens).tolist(), "state_bytes": state_bytes,
-            "walked_bytes": walked, "largest_bytes": storages[0] if storages else 0, "rss": rss, "rss_peak": rss_peak}
+            "walked_bytes": walked, "largest_bytes": storages[0] if storages else 0, "rss": rss, "rss_peak": rss_peak,
+            "peak": step_peak}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -452,6 +508,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--torch-adam", default="default", choices=("default", "foreach", "fused"),
                    help="torch.optim.AdamW implementation for the torch/DeepSpeed peers (default: torch's own "
                         "choice, the single-tensor loop on CPU)")
+    g.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
+                   help="bf16: megazero and DeepSpeed keep bf16 parameters with an fp32 master copy, FSDP2 gathers "
+                        "bf16 parameters (fp32 shards, fp32 reduction), DDP runs torch.autocast (default: fp32)")
+    g.add_argument("--no-peak", action="store_true",
+                   help="skip the extra step measured by megazero's peak tracker (first repetition only)")
     g.add_argument("--timeout", type=float, default=900.0, help="seconds per world before it is killed")
     g.add_argument("--json", metavar="FILE", help="also write every measurement to FILE")
     g.add_argument("--from-json", metavar="FILE", help="print the table of a --json record again; run nothing")
@@ -479,12 +540,13 @@ def render(record: dict) -> int:
     names, results, skipped, failed = record["names"], record["results"], record["skipped"], record["failed"]
     psi = record["psi"]
     ddp_runs = results.get("ddp") or []
+    tolerance = LOSS_TOLERANCE if record["args"].get("precision", "fp32") == "fp32" else BF16_LOSS_TOLERANCE
     ref_losses = ddp_runs[0]["per_rank"][0]["losses"] if ddp_runs else None
     print(f"load average before / after: {' '.join(f'{x:.2f}' for x in record['load_before'])} / "
           f"{' '.join(f'{x:.2f}' for x in record['load_after'])}; wall {record['wall_s']:.0f} s\n")
-    print("| contender | step time median (ms) | rep medians, min–max (ms) | vs DDP | CPU time / step, all ranks (ms) "
+    print("| contender | step time median (ms) | best rep median (ms) | rep medians, min–max (ms) | vs DDP | CPU time / step, all ranks (ms) "
           "| CPU vs DDP | model states / rank (MB) | RSS / rank, end / peak (MB) | loss vs DDP (max rel) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     full_states_mb = 16 * psi / 1e6
     notes, mz_bad = [], []
     for n in names:
@@ -492,7 +554,7 @@ def render(record: dict) -> int:
         runs = results.get(n) or []
         if n in skipped or n in failed or not runs:
             why = f"skipped ({skipped[n]})" if n in skipped else f"failed ({failed.get(n, 'no result')})"
-            print(f"| {c.label} (`{n}`) | {why} | | | | | | | |")
+            print(f"| {c.label} (`{n}`) | {why} | | | | | | | | |")
             continue
         per_rank = runs[0]["per_rank"]
         losses = per_rank[0]["losses"]
@@ -509,7 +571,7 @@ def render(record: dict) -> int:
                          f"{state_mb - largest_mb:.2f} MB")
             state += f" ({state_mb - largest_mb:.2f})¹"
         print(f"| {c.label} (`{n}`) | {_median_ms([t for r in runs for t in r['step_times']]):.1f} "
-              f"| {min(rep_medians):.0f}–{max(rep_medians):.0f} | {_best_ratio(runs, ddp_runs, 'step_times'):.2f} "
+              f"| {min(rep_medians):.1f} | {min(rep_medians):.0f}–{max(rep_medians):.0f} | {_best_ratio(runs, ddp_runs, 'step_times'):.2f} "
               f"| {_median_ms([t for r in runs for t in r['step_cpu']]):.1f} "
               f"| {_best_ratio(runs, ddp_runs, 'step_cpu'):.2f} | {state} "
               f"| {max(r['rss'] for r in per_rank):.0f} / {max(r['rss_peak'] for r in per_rank):.0f} "
@@ -518,16 +580,50 @@ def render(record: dict) -> int:
             if abs(walked_mb - state_mb) > 0.01 * state_mb:
                 notes.append(f"`{n}`: model_state_bytes() {state_mb:.2f} MB but a walk of its tensors finds "
                              f"{walked_mb:.2f} MB")
-            if not loss_err <= LOSS_TOLERANCE:
+            if not loss_err <= tolerance:
                 mz_bad.append(f"{n} ({loss_err:.1e})")
     for note in notes:
         print(f"\n¹ {note}" if "bucket" in note else f"\nnote: {note}")
     print(f"\nΨ = {psi:,} parameters; unsharded fp32 AdamW model states (16 B/param) = {full_states_mb:.2f} MB. "
           "'vs DDP' columns: the best repetition's median over DDP's best repetition's median.")
     verdict = "OK" if not mz_bad else "MISMATCH: " + ", ".join(mz_bad)
-    print(f"sanity: megazero losses vs DDP within {LOSS_TOLERANCE:g} relative over all {record['total_steps']} "
+    _render_peaks(record)
+    print(f"sanity: megazero losses vs DDP within {tolerance:g} relative over all {record['total_steps']} "
           f"steps: {verdict}")
     return 0 if not mz_bad else 1
+
+
+def _render_peaks(record: dict) -> None:
+    """The second table: each contender's peak per rank (megazero's tracker, one extra step) and its model
+    states at rest against stage 0's and the ZeRO formula."""
+    results, psi = record["results"], record["psi"]
+    rows = [(n, runs[0]["per_rank"]) for n in record["names"] if (runs := results.get(n))
+            and runs[0]["per_rank"][0].get("peak")]
+    if not rows:
+        return
+    mz0 = next((max(r["state_bytes"] for r in pr) for n, pr in rows if n == "mz0"), None)
+    cats = ("params", "grads", "master_params", "optimizer_states", "activations", "comm_buffers", "other")
+    print(f"\nPeak of live tensors per rank during one step (megazero/memory.py's tracker, MB = 1e6 bytes; the "
+          f"rank with the largest peak; categories for that rank: {', '.join(cats)}):\n")
+    print("| contender | peak, largest rank (MB) | peak, smallest rank (MB) | " + " | ".join(cats)
+          + " | model states at rest (MB) | states / stage-0 states | formula (fp32, dp 4) |")
+    print("|---|---|---|" + "---|" * len(cats) + "---|---|---|")
+    for n, per_rank in rows:
+        c = CONTENDERS[n]
+        top = max(per_rank, key=lambda r: r["peak"]["peak_bytes"])
+        low = min(r["peak"]["peak_bytes"] for r in per_rank)
+        by = top["peak"]["peak_by_category"]
+        state = max(r["state_bytes"] for r in per_rank)
+        ratio = f"{state / mz0:.3f}" if mz0 else "—"
+        stage = c.stage if c.kind in ("megazero", "deepspeed") else {"ddp": 0, "torch-zero1": 1, "fsdp2": 3}.get(n)
+        formula = f"{STATE_FORMULA[stage] / 16:.3f}" if stage is not None else "—"
+        print(f"| {c.label} (`{n}`) | {top['peak']['peak_bytes'] / 1e6:.2f} | {low / 1e6:.2f} | "
+              + " | ".join(f"{by[k] / 1e6:.2f}" for k in cats)
+              + f" | {state / 1e6:.2f} | {ratio} | {formula} |")
+    print(f"\nΨ = {psi:,}. Before the step the tracker registers every tensor reachable from the contender's "
+          "model and optimizer objects (as for the model-state column), so buffers allocated up front count; "
+          "DDP's C++ reducer buckets (Ψ fp32, unreachable from Python) are added as comm_buffers. Peers' categories: parameters, .grad and optimizer state by identity; their flat "
+          "buffers and communication staging count as other (or activations when allocated inside the forward).")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -558,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
         f"torch {torch.__version__}",
         f"megazero from {_source_version()}",
         f"model {args.model}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads {cfg.num_heads}, seq "
-        f"{cfg.seq_len}, vocab {cfg.vocab_size}: {psi / 1e6:.2f}M parameters, fp32; micro-batch "
+        f"{cfg.seq_len}, vocab {cfg.vocab_size}: {psi / 1e6:.2f}M parameters, {args.precision}; micro-batch "
         f"{args.micro_batch_size}/rank (global {args.micro_batch_size * args.dp}); AdamW lr {opt_cfg.lr} betas "
         f"{opt_cfg.betas} eps {opt_cfg.eps} wd {opt_cfg.weight_decay} (ndim>=2), clip {opt_cfg.clip_grad}; "
         f"{args.warmup} warm-up + {args.steps} timed steps x {args.reps} reps",
@@ -578,6 +674,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 per_rank = run_world(_rank_run, args.dp, CONTENDERS[n], cfg, opt_cfg, args.micro_batch_size,
                                      args.warmup, args.steps, args.torch_adam, args.profile if rep == 0 else None,
+                                     args.precision, not args.no_peak and rep == 0,
                                      timeout=args.timeout)
             except (WorldError, Exception) as exc:  # noqa: BLE001 - one contender's failure is a table row
                 failed[n] = _first_error_line(exc)

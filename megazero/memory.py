@@ -95,7 +95,8 @@ class PeakMemoryTracker(TorchDispatchMode):
     """Peak bytes of live tensors on ``device`` while the context is active, by category (module docstring).
 
     ``buffers`` returns the buffers megazero owns by category (called at entry and at each new peak);
-    ``forward_modules`` are the model chunks whose forwards allocate activations. Use once per step::
+    ``forward_modules`` are the model chunks whose forwards allocate activations; ``baseline`` returns further
+    tensors from before the step to count (as ``other`` unless ``buffers`` lists them). Use once per step::
 
         tracker = PeakMemoryTracker(device, lambda: zero_buffers(opt), engine.chunks)
         with tracker:
@@ -104,11 +105,13 @@ class PeakMemoryTracker(TorchDispatchMode):
     """
 
     def __init__(self, device: torch.device | str = "cpu", buffers: Buffers | None = None,
-                 forward_modules: Sequence[nn.Module] = ()) -> None:
+                 forward_modules: Sequence[nn.Module] = (),
+                 baseline: Callable[[], Iterable[torch.Tensor]] | None = None) -> None:
         super().__init__()
         self.device = torch.device(device)
         self.buffers = buffers
         self.forward_modules = list(forward_modules)
+        self.baseline = baseline
         self._reset()
 
     def _reset(self) -> None:
@@ -247,6 +250,10 @@ class PeakMemoryTracker(TorchDispatchMode):
                 st = _storage(t) if isinstance(t, torch.Tensor) else None
                 if st is not None:
                     self._add(st, cat)
+        for t in self.baseline() if self.baseline is not None else ():
+            st = _storage(t)
+            if st is not None:
+                self._add(st, "other")
         for m in self.forward_modules:
             self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
             self._hooks.append(m.register_forward_hook(self._post_forward))
