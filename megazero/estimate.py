@@ -37,12 +37,14 @@ from megazero.config import ModelConfig
 __all__ = [
     "ELEMENT_BYTES",
     "ModelStateBytes",
+    "PeakEstimate",
     "activation_bytes",
     "checkpoint_host_bytes",
     "in_flight_micro_batches",
     "korthikanti_layer_bytes",
     "model_state_bytes",
     "padded_vocab_size",
+    "peak_bytes",
     "rank_parameter_numels",
     "recompute_bytes",
     "stage_layers",
@@ -348,3 +350,72 @@ def in_flight_micro_batches(pp_size: int, pp_rank: int, schedule: str = "1f1b", 
     if schedule == "gpipe":
         return micro_batches
     return max(1, min(pp_size - pp_rank, micro_batches))
+
+
+@dataclass(frozen=True)
+class PeakEstimate:
+    """A rank's predicted peak of live tensors during a step, in the parts the tracker
+    (:class:`megazero.memory.PeakMemoryTracker`) measures."""
+
+    model_states: float  # parameters, gradients, master copy and Adam moments at rest (where they count)
+    activations: float  # the micro-batches stashed at once
+    comm_buffers: float  # gradient staging in flight; stage 3: gathered units beyond the persistent ones
+    transient: float  # what backward allocates on top at its peak: recomputation, fresh gradients
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.activations + self.comm_buffers + self.transient
+
+
+def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int, tp_size: int = 1,
+               pp_size: int = 1, pp_rank: int = 0, precision: str = "bf16", checkpointing: str = "none",
+               sequence_parallel: bool = False, micro_batches: int = 1, schedule: str = "1f1b",
+               offload_optimizer: bool = False, offload_param: bool = False, host_counts: bool = False,
+               persistence_threshold: int = 100_000, bucket_numel: int = 500_000_000, overlap_comm: bool = False,
+               fused_attention: bool = True, mask_bytes: int = 1) -> PeakEstimate:
+    """The peak of one training step on one rank: where backward begins on the stashed micro-batches.
+
+    * model states as :func:`model_state_bytes` (offloaded ones only with ``host_counts``, e.g. on a CPU run
+      where host and device are one memory);
+    * activations: :func:`activation_bytes` times :func:`in_flight_micro_batches`;
+    * communication buffers (stages 2-3, as ``megazero/zero`` holds them today): the gradient staging
+      buckets of stage 2 and of stage 3's persistent parameters, ``e·min(bucket, Ψ)`` (all of Ψ with
+      ``overlap_comm``, whose buckets stay in flight to the end of backward); stage 3 also queues each
+      gathered unit's gradient staging up to the bucket size and coalesces the queue into one more buffer
+      (``2e·min(bucket, Ψ_g)``), and holds the largest gathered unit with its staging (``2e·unit``); with
+      recomputation, one block's gathered parameters more (the recomputed block's units);
+    * transients: one layer's recomputation (:func:`recompute_bytes`) and the fresh gradient autograd makes
+      before it is accumulated -- of the largest parameter (on the last stage the tied embedding, whose
+      gradient the LM head's backward produces first) -- plus the gradient of the LM head's input, ``e·sbh``.
+
+    An upper bound where the peak of a phase does not coincide with the others' (the staging buckets fill as
+    activations are freed).
+    """
+    e = ELEMENT_BYTES[precision]
+    numel = rank_parameter_numels(model, tp_size, pp_size, pp_rank)
+    sizes = list(numel.values())
+    ms = model_state_bytes(sizes, stage, dp_size, precision, persistence_threshold, offload_optimizer,
+                           offload_param and stage == 3)
+    states = ms.total if host_counts else ms.device
+    layers = stage_layers(model.num_layers, pp_size)[pp_rank]
+    first, last = pp_rank == 0, pp_rank == pp_size - 1
+    common = dict(tp_size=tp_size, sequence_parallel=sequence_parallel, precision=precision,
+                  checkpointing=checkpointing, fused_attention=fused_attention, mask_bytes=mask_bytes)
+    act = activation_bytes(model, micro_batch, **common, layers=len(layers), first_stage=first, last_stage=last)
+    act *= in_flight_micro_batches(pp_size, pp_rank, schedule, micro_batches)
+    comm = 0.0
+    if stage >= 2:
+        whole = [n for n in sizes if stage == 2 or n <= persistence_threshold]
+        psi_w = sum(whole)
+        comm = e * (psi_w if overlap_comm else min(bucket_numel, psi_w))
+        gathered = [n for n in sizes if stage == 3 and n > persistence_threshold]
+        if gathered:  # today's stage 3 queues every unit's gradient staging (up to the bucket), then
+            psi_g = min(bucket_numel, sum(gathered))  # coalesces the queue into one more buffer, and holds
+            comm += 2 * e * psi_g + 2 * e * max(gathered)  # a gathered unit with its staging
+            if checkpointing != "none":  # recomputing a block gathers its units once more, beside the above
+                block = [n for k, n in numel.items() if k.startswith(f"blocks.{layers[-1]}.")]
+                comm += e * sum(n for n in block if n > persistence_threshold)
+    s, h = model.seq_len, model.hidden_size
+    sp = tp_size if sequence_parallel and tp_size > 1 else 1
+    transient = recompute_bytes(model, micro_batch, **common) + e * max(sizes) + e * s * micro_batch * h / sp
+    return PeakEstimate(states, act, comm, transient)
