@@ -378,15 +378,16 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
     * model states as :func:`model_state_bytes` (offloaded ones only with ``host_counts``, e.g. on a CPU run
       where host and device are one memory);
     * activations: :func:`activation_bytes` times :func:`in_flight_micro_batches`;
-    * communication buffers (stages 2-3, as ``megazero/zero`` holds them today): the gradient staging
-      buckets of stage 2 and of stage 3's persistent parameters, ``e·min(bucket, Ψ)`` (all of Ψ with
-      ``overlap_comm``, whose buckets stay in flight to the end of backward); stage 3 also queues each
-      gathered unit's gradient staging up to the bucket size and coalesces the queue into one more buffer
-      (``2e·min(bucket, Ψ_g)``), and holds the largest gathered unit with its staging (``2e·unit``); with
-      recomputation, one block's gathered parameters more (the recomputed block's units);
+    * communication buffers (stages 2-3, as ``megazero/zero`` holds them): the gradient staging buckets of
+      stage 2 and of stage 3's persistent parameters, ``e·min(bucket, Ψ)`` (all of Ψ with ``overlap_comm``,
+      whose buckets stay in flight to the end of backward); stage 3 also holds, as backward begins, the
+      chunk's own unit (embeddings, head) and the next block gathered and one unit's gradient staging
+      (``e·(root + block) + e·max(root, block)``; without ``overlap_comm`` each unit's reduction completes
+      before the next begins);
     * transients: one layer's recomputation (:func:`recompute_bytes`) and the fresh gradient autograd makes
       before it is accumulated -- of the largest parameter (on the last stage the tied embedding, whose
-      gradient the LM head's backward produces first) -- plus the gradient of the LM head's input, ``e·sbh``.
+      gradient the LM head's backward produces first) -- plus the gradient of the LM head's input, ``e·sbh``
+      (before the last pipeline stage: the gradient received and the output sent, ``2e·sbh``).
 
     An upper bound where the peak of a phase does not coincide with the others' (the staging buckets fill as
     activations are freed).
@@ -405,17 +406,24 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
     act *= in_flight_micro_batches(pp_size, pp_rank, schedule, micro_batches)
     comm = 0.0
     if stage >= 2:
-        whole = [n for n in sizes if stage == 2 or n <= persistence_threshold]
+        whole = [n for n in sizes if stage == 2 or n <= persistence_threshold]  # staged in buckets
         psi_w = sum(whole)
         comm = e * (psi_w if overlap_comm else min(bucket_numel, psi_w))
-        gathered = [n for n in sizes if stage == 3 and n > persistence_threshold]
-        if gathered:  # today's stage 3 queues every unit's gradient staging (up to the bucket), then
-            psi_g = min(bucket_numel, sum(gathered))  # coalesces the queue into one more buffer, and holds
-            comm += 2 * e * psi_g + 2 * e * max(gathered)  # a gathered unit with its staging
-            if checkpointing != "none":  # recomputing a block gathers its units once more, beside the above
-                block = [n for k, n in numel.items() if k.startswith(f"blocks.{layers[-1]}.")]
-                comm += e * sum(n for n in block if n > persistence_threshold)
+        if stage == 3:  # units: each block, and the chunk's own parameters (embeddings, head) as one "root"
+            big = {k: n for k, n in numel.items() if n > persistence_threshold}
+            blocks: dict[str, float] = {}
+            for k, n in big.items():
+                if k.startswith("blocks."):
+                    blocks[k.split(".")[1]] = blocks.get(k.split(".")[1], 0) + n
+            root = sum(n for k, n in big.items() if not k.startswith("blocks."))
+            block = max(blocks.values(), default=0)
+            # backward begins with the root unit and the next block gathered (a recomputed block stays gathered
+            # for its backward: the same one) and one unit's gradient staging at a time
+            comm += e * (root + block) + e * max(root, block)
     s, h = model.seq_len, model.hidden_size
     sp = tp_size if sequence_parallel and tp_size > 1 else 1
+    # the LM head input's gradient (last stage), or the gradient received from the next stage (the others)
     transient = recompute_bytes(model, micro_batch, **common) + e * max(sizes) + e * s * micro_batch * h / sp
+    if not last:
+        transient += e * s * micro_batch * h / sp  # and the output just sent, held until the send completes
     return PeakEstimate(states, act, comm, transient)

@@ -155,8 +155,7 @@ def _measured_peaks(ctx, runs, cache: str) -> list[tuple]:
 
 def test_measured_peak_matches_the_estimate(data_cache):
     """Every run of the covering array: the measured peak is at most 5% above the estimate, and at most 5% (or
-    one gradient buffer e·Ψ_r, where staging fills only as activations are freed) below it; stage 3 within 25%
-    below it until the block-level stage 3 lands."""
+    one gradient buffer e·Ψ_r, where staging fills only as activations are freed) below it."""
     from megazero.estimate import peak_bytes, rank_parameter_numels
     from tests.dist import run_world
 
@@ -176,8 +175,6 @@ def test_measured_peak_matches_the_estimate(data_cache):
                 # fill only as activations are freed (the last pipeline stage), it overestimates by up to one
                 # gradient buffer, e·Ψ_r
                 margin = max(0.05 * est.total, 4 * sum(rank_parameter_numels(cfg.model, tp, pp, pp_rank).values()))
-                if stage == 3:  # today's stage 3 (before the block-level rewrite of issue 13): queued staging and
-                    margin = max(margin, 0.25 * est.total)  # its coalesced copy peak late on the last stage
                 ok = -margin <= diff <= 0.05 * est.total
                 bad += not ok
                 lines.append(f"tp{tp} pp{pp} r{rank} stage {stage} {recompute:4s} offload {offload!s:5s} measured "
