@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megazero import host
+
 __all__ = [
     "CommLedger",
     "DistEnv",
@@ -138,7 +140,7 @@ class Group:
         """Gather equal shards ``input`` of every rank into the flat ``output`` (rank order); counts the output n."""
         self.check_device("all_gather_into", tag, output, input)
         if self.size == 1:
-            if output.data_ptr() != input.data_ptr():
+            if not host.same_data(output, input):
                 output.copy_(input.view_as(output))
             return _Done() if async_op else None
         self.ledger.record(self.name, "all_gather", tag, output.numel())
@@ -156,7 +158,7 @@ class Group:
         """Reduce the flat ``input`` over ranks and leave shard ``rank`` in ``output``; counts the input n."""
         self.check_device("reduce_scatter", tag, output, input)
         if self.size == 1:
-            if output.data_ptr() != input.data_ptr():
+            if not host.same_data(output, input):
                 output.copy_(input.view_as(output))
             return _Done() if async_op else None
         self.ledger.record(self.name, "reduce_scatter", tag, input.numel())

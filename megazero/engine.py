@@ -156,7 +156,7 @@ class Engine:
                 first, last = self.ctx.embedding_group.all_gather_list(w.detach().double().contiguous())
                 rel = torch.maximum(rel, (last - first).norm() / first.norm().clamp_min(1e-30))
         world.all_reduce(rel, op="max")
-        value = rel.item()
+        value = host.read(rel)[0]
         if value > rtol:
             raise RuntimeError(
                 f"the tied word embedding differs between the first and last pipeline stage (relative difference"
@@ -200,7 +200,7 @@ class Engine:
                                  self.virtual_stages)
         with self.optimizer.gathered_parameters():
             stats = self.executor.run(actions, micro_batches, tokens, backward=None)
-        return self._global_loss(stats.loss_sum, tokens).item()
+        return host.read(self._global_loss(stats.loss_sum, tokens))[0]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters, unsharded over TP, in fp32 (a collective over the TP and, at stage 3, DP

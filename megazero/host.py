@@ -4,7 +4,8 @@ A training step reads from the device once (the loss, the gradient norm, the tok
 the checks ask for, and a few places de-duplicate tensors by their storage. Both go through this module:
 
 * :func:`read` returns a tensor's values as a flat list of Python floats (a host synchronisation on CUDA);
-* :func:`storage_key` returns a key that is equal for two tensors exactly when they share a storage.
+* :func:`storage_key` returns a key that is equal for two tensors exactly when they share a storage
+  (:func:`same_data` and :func:`adjacent` compare positions in storages with it).
 
 A real run uses :class:`DeviceHost` (``tolist()`` and the storage's ``data_ptr()``). The dry run
 (:mod:`megazero.dryrun`), whose tensors live on the meta device and hold no values, installs a
@@ -23,7 +24,7 @@ from contextvars import ContextVar
 
 import torch
 
-__all__ = ["DeviceHost", "PlaceholderHost", "current", "read", "storage_key", "use"]
+__all__ = ["DeviceHost", "PlaceholderHost", "adjacent", "current", "read", "same_data", "storage_key", "use"]
 
 
 class DeviceHost:
@@ -71,6 +72,19 @@ def read(tensor: torch.Tensor) -> list[float]:
 def storage_key(tensor: torch.Tensor) -> int:
     """A key equal for two tensors exactly when they share a storage (live storages; meta ones included)."""
     return current().storage_key(tensor)
+
+
+def same_data(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` start at the same byte of the same storage (``a.data_ptr() == b.data_ptr()`` on
+    real tensors; also right on meta tensors, whose pointers are all offsets from 0)."""
+    return (storage_key(a) == storage_key(b)
+            and a.storage_offset() * a.element_size() == b.storage_offset() * b.element_size())
+
+
+def adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``b`` starts in ``a``'s storage exactly where ``a`` ends (both contiguous)."""
+    return (storage_key(a) == storage_key(b)
+            and (a.storage_offset() + a.numel()) * a.element_size() == b.storage_offset() * b.element_size())
 
 
 @contextmanager

@@ -152,3 +152,16 @@ def test_a_pipeline_order_that_deadlocks_under_nccl_fails_the_verdict(monkeypatc
                                                                  for r, c in calls.items()}))
     report = dry_run(_cfg(["--zero-stage", "1"]), cluster("h100", 8))
     assert not report.p2p_ok and not report.fits and "NCCL-order replay" in report.verdict
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_host_same_data_and_adjacent_agree_with_pointers(device):
+    from megazero import host
+
+    a = torch.empty(10, device=device)
+    b = torch.empty(10, device=device)
+    assert host.same_data(a[2:], a[2:5]) and not host.same_data(a, a[1:]) and not host.same_data(a, b)
+    assert host.adjacent(a[:4], a[4:]) and not host.adjacent(a[:4], a[5:]) and not host.adjacent(a, b)
+    if device == "cpu":  # the same answers as data pointers give
+        assert host.same_data(a[2:], a[2:5]) == (a[2:].data_ptr() == a[2:5].data_ptr())
+        assert host.adjacent(a[:4], a[4:]) == (a[:4].data_ptr() + 16 == a[4:].data_ptr())

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from megazero import host
 from megazero.distributed import Group
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "IGNORE_INDEX", "vocab_parallel_cross_entropy"]
@@ -80,7 +81,7 @@ class _VocabParallelCE(torch.autograd.Function):
             chunk.sub_(lse[a: a + c].unsqueeze(-1)).exp_()  # softmax over the whole (TP-split) vocabulary
             chunk.scatter_add_(-1, local_target[a: a + c].unsqueeze(-1), -own[a: a + c].unsqueeze(-1).float())
             chunk.mul_(scale[a: a + c].unsqueeze(-1))
-            if chunk.data_ptr() != rows.data_ptr():
+            if not host.same_data(chunk, rows):
                 rows.copy_(chunk)
             del chunk
         return grad, None, None, None, None, None

@@ -58,6 +58,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megazero import host
 from megazero.config import LossScaleConfig, OptimizerConfig, ZeroConfig
 from megazero.distributed import Group
 from megazero.zero.grads import OwnedGrads, grad_dtype_for, split_runs
@@ -339,7 +340,7 @@ class ZeroOptimizer:
     def step(self, lr: float) -> StepStats:
         """Reduce gradients, check for fp16 overflow, clip by the global norm, update with learning rate ``lr``
         (:meth:`prepare_step` then :meth:`finish_step`, reading the norm back in between)."""
-        return self.finish_step(lr, self.prepare_step().item())
+        return self.finish_step(lr, host.read(self.prepare_step())[0])
 
     def check_skipped_steps(self, step: int) -> None:
         """Raise :class:`NonFiniteGradientError` once ``OptimizerConfig.max_skipped_steps`` steps in a row (0:
@@ -543,8 +544,7 @@ class ZeroOptimizer:
 
 
 def _adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-            and a.data_ptr() + a.numel() * a.element_size() == b.data_ptr())
+    return host.adjacent(a, b)
 
 
 def _extend(a: torch.Tensor, n: int) -> torch.Tensor:

@@ -366,7 +366,7 @@ class BucketedParams:
         if not self._grad_views:  # accumulate in grad_dtype (fp32): the model-dtype gradient is dropped
             view.add_(p.grad)
             p.grad = None
-        elif p.grad.data_ptr() != view.data_ptr():  # bypassed the buffer (e.g. after model.zero_grad())
+        elif not host.same_data(p.grad, view):  # bypassed the buffer (e.g. after model.zero_grad())
             view.copy_(p.grad)
             p.grad = view
         if last:
@@ -447,7 +447,7 @@ class BucketedParams:
                 continue
             for p in self.buckets[b][1] if self._grad_views else ():  # gradients that bypassed the buffer
                 view = self._grad_view(p)
-                if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                if p.grad is not None and not host.same_data(p.grad, view):
                     view.copy_(p.grad)
                 p.grad = view
             self._launch_flat(b)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from megazero import host
 from megazero.distributed import Group
 from megazero.zero.stage3_units import Unit
 
@@ -188,10 +189,11 @@ class GatherScheduler:
         every = torch.empty(group.size * 3, dtype=torch.int64, device=self.device)
         group.all_gather_into(every, mine, tag="check")
         every = every.view(group.size, 3)
-        if bool((every == mine).all()):
+        if host.read((every == mine).all())[0]:
             return
         lines = []
-        for r, (ph, seq, uid) in enumerate(every.tolist()):
+        values = [int(v) for v in host.read(every)]
+        for r, (ph, seq, uid) in enumerate(zip(values[::3], values[1::3], values[2::3])):
             name = self.units[uid].name if 0 <= uid < len(self.units) else f"unit #{uid}"
             lines.append(f"rank {r}: {_PHASES[ph] if 0 <= ph < 3 else ph} gather #{seq} of {name}")
         raise GatherOrderError(
