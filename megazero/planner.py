@@ -2,9 +2,8 @@
 
 A :class:`Layout` is one choice of tp (inside a node), pp, dp, ZeRO stage, micro-batch size, recomputation,
 optimizer offload, sequence parallelism and pipeline schedule. :func:`evaluate` gives its per-rank peak
-(model states from :func:`megazero.estimate.model_state_bytes`, activations of the micro-batches a stage holds
-at once from :func:`megazero.estimate.activation_bytes`, the recomputation transient, stage 3's gathered
-units and stage 2's gradient buckets), the volume each rank moves per step over TP, PP and DP (counted the
+(:func:`megazero.estimate.peak_bytes`: model states, the stashed micro-batches -- rescaled for the interleaved
+schedule's in-flight chunks --, communication buffers and backward's transients), the volume each rank moves per step over TP, PP and DP (counted the
 way :class:`megazero.distributed.CommLedger` counts them) and a roofline step time
 (:func:`megazero.roofline.step_time`). :func:`search` enumerates every layout, drops those that do not fit
 and ranks the rest by estimated step time. ``tools/plan.py`` is the command line.
@@ -17,14 +16,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from megazero.config import ModelConfig
-from megazero.estimate import (
-    activation_bytes,
-    in_flight_micro_batches,
-    model_state_bytes,
-    rank_parameter_numels,
-    recompute_bytes,
-    stage_layers,
-)
+from megazero.estimate import in_flight_micro_batches, peak_bytes, rank_parameter_numels, stage_layers
 from megazero.metrics import megatron_model_flops
 from megazero.parallel_context import RankGrid
 from megazero.roofline import Cluster, StepTime, group_nodes, mfu, step_time
@@ -71,8 +63,8 @@ class Plan:
     peak_bytes: float  # the largest rank's estimated peak
     peak_pp_rank: int  # the pipeline stage where it occurs
     states_bytes: float  # that rank's model states on the device
-    activation_bytes: float  # that rank's activations at the peak (stash + recompute transient)
-    other_bytes: float  # stage 3 gathered units, stage 2 buckets
+    activation_bytes: float  # that rank's activations at the peak (stash + backward's transients)
+    other_bytes: float  # communication buffers: gradient staging, stage 3's gathered units
     tp_bytes: float  # per rank and step
     pp_bytes: float
     dp_bytes: float
@@ -126,26 +118,18 @@ def evaluate(model: ModelConfig, lay: Layout, global_batch: int, c: Cluster, pre
     for r in range(lay.pp):
         numels = _numels(model, lay.tp, lay.pp, r, v)
         psi = float(sum(numels))
-        ms = model_state_bytes(list(numels), lay.zero_stage, lay.dp, precision, persistence_threshold,
-                               lay.offload and lay.zero_stage >= 1)
-        grads = ms.grads * grad_bytes / e
-        states = ms.device - ms.grads + grads
         layers = sum(len(chunk_layers[c_ * lay.pp + r]) for c_ in range(v))
         first, last = r == 0, r == lay.pp - 1
-        common = dict(tp_size=lay.tp, sequence_parallel=lay.sequence_parallel, precision=precision,
-                      checkpointing=lay.checkpointing)
-        act = activation_bytes(model, lay.micro_batch_size, **common, layers=layers // v, first_stage=first,
-                               last_stage=last)
-        k = in_flight_micro_batches(lay.pp, r, "1f1b", m)
-        if v > 1:  # interleaved: (pp - rank - 1)*2 + (v - 1)*pp + 1 chunk-forwards in flight, 1/v each
-            k = min(m * v, (lay.pp - r - 1) * 2 + (v - 1) * lay.pp + 1) / v
-        acts = act * k + recompute_bytes(model, lay.micro_batch_size, **common)
-        other = 0.0
-        layer_params = psi / max(1, layers)
-        if lay.zero_stage == 3:  # the unit in use and the one prefetched, gathered in full
-            other += 2 * layer_params * e
-        if lay.zero_stage == 2:  # two reduce buckets in flight
-            other += 2 * min(reduce_bucket_size, psi) * grad_bytes
+        pe = peak_bytes(model, lay.micro_batch_size, stage=lay.zero_stage, dp_size=lay.dp, tp_size=lay.tp,
+                        pp_size=lay.pp, pp_rank=r, precision=precision, checkpointing=lay.checkpointing,
+                        sequence_parallel=lay.sequence_parallel, micro_batches=m, schedule="1f1b",
+                        offload_optimizer=lay.offload and lay.zero_stage >= 1,
+                        persistence_threshold=persistence_threshold, bucket_numel=reduce_bucket_size)
+        states, acts, other = pe.model_states, pe.activations, pe.comm_buffers
+        if v > 1:  # interleaved: (pp - rank - 1)*2 + (v - 1)*pp + 1 chunk forwards in flight, 1/v of the stage each
+            k1 = in_flight_micro_batches(lay.pp, r, "1f1b", m)
+            acts *= min(m * v, (lay.pp - r - 1) * 2 + (v - 1) * lay.pp + 1) / (v * k1)
+        acts += pe.transient
         peak = states + acts + other
         g, p_ = dp_volume(lay.zero_stage, psi, m)
         tp_el = _tp_elements(model, lay, layers, first, last, m)
