@@ -361,10 +361,21 @@ class PeakEstimate:
     activations: float  # the micro-batches stashed at once
     comm_buffers: float  # gradient staging in flight; stage 3: gathered units beyond the persistent ones
     transient: float  # what backward allocates on top at its peak: recomputation, fresh gradients
+    optimizer_transient: float = 0.0  # what the optimizer step allocates on top of the states and buffers
+
+    @property
+    def backward(self) -> float:
+        """The peak as backward begins on the stashed micro-batches."""
+        return self.model_states + self.activations + self.comm_buffers + self.transient
+
+    @property
+    def optimizer_step(self) -> float:
+        """The peak during the optimizer step (activations freed)."""
+        return self.model_states + self.comm_buffers + self.optimizer_transient
 
     @property
     def total(self) -> float:
-        return self.model_states + self.activations + self.comm_buffers + self.transient
+        return max(self.backward, self.optimizer_step)
 
 
 def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int, tp_size: int = 1,
@@ -373,7 +384,8 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
                offload_optimizer: bool = False, offload_param: bool = False, host_counts: bool = False,
                persistence_threshold: int = 100_000, bucket_numel: int = 500_000_000, overlap_comm: bool = False,
                fused_attention: bool = True, mask_bytes: int = 1) -> PeakEstimate:
-    """The peak of one training step on one rank: where backward begins on the stashed micro-batches.
+    """The peak of one training step on one rank: the larger of the peak where backward begins on the stashed
+    micro-batches and the peak of the optimizer step.
 
     * model states as :func:`model_state_bytes` (offloaded ones only with ``host_counts``, e.g. on a CPU run
       where host and device are one memory);
@@ -387,7 +399,10 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
     * transients: one layer's recomputation (:func:`recompute_bytes`) and the fresh gradient autograd makes
       before it is accumulated -- of the largest parameter (on the last stage the tied embedding, whose
       gradient the LM head's backward produces first) -- plus the gradient of the LM head's input, ``e·sbh``
-      (before the last pipeline stage: the gradient received and the output sent, ``2e·sbh``).
+      (before the last pipeline stage: the gradient received and the output sent, ``2e·sbh``);
+    * the optimizer step: the states, the buffers above and three fp32 tensors the size of the largest
+      parameter (measured on a 50M-parameter GPT at stages 0-3, where it sets the peak; not yet traced to the
+      operators that allocate them).
 
     An upper bound where the peak of a phase does not coincide with the others' (the staging buckets fill as
     activations are freed).
@@ -426,4 +441,4 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
     transient = recompute_bytes(model, micro_batch, **common) + e * max(sizes) + e * s * micro_batch * h / sp
     if not last:
         transient += e * s * micro_batch * h / sp  # and the output just sent, held until the send completes
-    return PeakEstimate(states, act, comm, transient)
+    return PeakEstimate(states, act, comm, transient, 3 * 4 * max(sizes))
