@@ -400,9 +400,9 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
       before it is accumulated -- of the largest parameter (on the last stage the tied embedding, whose
       gradient the LM head's backward produces first) -- plus the gradient of the LM head's input, ``e·sbh``
       (before the last pipeline stage: the gradient received and the output sent, ``2e·sbh``);
-    * the optimizer step: the states, the buffers above and three fp32 tensors the size of the largest
-      parameter (measured on a 50M-parameter GPT at stages 0-3, where it sets the peak; not yet traced to the
-      operators that allocate them).
+    * the optimizer step: the states, the buffers above and three model-dtype tensors the size of the largest
+      parameter (measured on a 50M-parameter GPT at stages 0-3 in fp32 and bf16, where it sets the peak;
+      not yet traced to the operators that allocate them).
 
     An upper bound where the peak of a phase does not coincide with the others' (the staging buckets fill as
     activations are freed).
@@ -423,7 +423,8 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
     if stage >= 2:
         whole = [n for n in sizes if stage == 2 or n <= persistence_threshold]  # staged in buckets
         psi_w = sum(whole)
-        comm = e * (psi_w if overlap_comm else min(bucket_numel, psi_w))
+        eg = 4 if precision == "bf16" else e  # gradients are staged and reduced in fp32 in bf16 (--grad-dtype)
+        comm = eg * (psi_w if overlap_comm else min(bucket_numel, psi_w))
         if stage == 3:  # units: each block, and the chunk's own parameters (embeddings, head) as one "root"
             big = {k: n for k, n in numel.items() if n > persistence_threshold}
             blocks: dict[str, float] = {}
@@ -434,11 +435,11 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
             block = max(blocks.values(), default=0)
             # backward begins with the root unit and the next block gathered (a recomputed block stays gathered
             # for its backward: the same one) and one unit's gradient staging at a time
-            comm += e * (root + block) + e * max(root, block)
+            comm += e * (root + block) + eg * max(root, block)
     s, h = model.seq_len, model.hidden_size
     sp = tp_size if sequence_parallel and tp_size > 1 else 1
     # the LM head input's gradient (last stage), or the gradient received from the next stage (the others)
     transient = recompute_bytes(model, micro_batch, **common) + e * max(sizes) + e * s * micro_batch * h / sp
     if not last:
         transient += e * s * micro_batch * h / sp  # and the output just sent, held until the send completes
-    return PeakEstimate(states, act, comm, transient, 3 * 4 * max(sizes))
+    return PeakEstimate(states, act, comm, transient, 3 * e * max(sizes))

@@ -30,6 +30,7 @@ from megazero.estimate import (
     korthikanti_layer_bytes,
     model_state_bytes,
     padded_vocab_size,
+    peak_bytes,
     rank_parameter_numels,
     recompute_bytes,
     stage_layers,
@@ -133,7 +134,7 @@ def estimate(args: argparse.Namespace) -> str:
         per_stage.append((numels, act, k, layers, extra))
 
     header = ["ZeRO", "pp stage", "layers", "Ψ_r", "params", "grads", "master", "optim states", "model states",
-              "activations", "total"]
+              "activations", "total", "step peak"]
     if args.offload_optimizer or args.offload_param:
         header.insert(-1, "host")
     rows = []
@@ -149,6 +150,14 @@ def estimate(args: argparse.Namespace) -> str:
             if "host" in header:
                 cells.append(_size(ms.offloaded, unit))
             cells.append(_size(ms.device + (acts or 0), unit))
+            peak = None if model is None else peak_bytes(
+                model, args.micro_batch_size, stage=stage, dp_size=args.dp, tp_size=args.tp, pp_size=args.pp,
+                pp_rank=r, precision=args.precision, checkpointing=args.activation_checkpointing,
+                sequence_parallel=args.sequence_parallel, micro_batches=m_count, schedule=args.pp_schedule,
+                offload_optimizer=args.offload_optimizer, offload_param=args.offload_param,
+                persistence_threshold=args.persistence_threshold,
+                fused_attention=not args.unfused_attention).total
+            cells.append(_size(peak, unit))
             if groups and groups[-1][1] == cells:
                 groups[-1][0].append(r)
             else:
@@ -209,7 +218,11 @@ def estimate(args: argparse.Namespace) -> str:
             "sequence shard, not the gathered input, of column-parallel layers under SP).")
     if "host" in header:
         notes.append("host: the part of the model states offloaded to CPU memory (not in the device totals).")
-    notes.append("not counted: flat-buffer padding (< dp*16 elements per buffer), gradient staging buckets, "
+    notes.append("step peak: the larger of the peak as backward begins (model states + activations in flight + "
+                 "gradient staging buckets / ZeRO-3 gathered units + recomputation and fresh-gradient transients) "
+                 "and the optimizer step's (megazero.estimate.peak_bytes); metrics.jsonl's memory[r].peak_bytes "
+                 "measures it (megazero/memory.py), default ZeroConfig buckets, no overlap_comm.")
+    notes.append("not counted (except in step peak): flat-buffer padding (< dp*16 elements per buffer), gradient staging buckets, "
                  "communication buffers, the CUDA context and allocator fragmentation.")
     lines += [f"  {i + 1}. {n}" for i, n in enumerate(notes)]
     return "\n".join(lines)
