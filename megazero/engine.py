@@ -68,9 +68,10 @@ class Engine:
         self.virtual_stages = p.virtual_stages if self.schedule == "interleaved" else 1
         self.specs = stage_specs(m.num_layers, ctx.pp_size, ctx.pp_rank, self.virtual_stages, p.pp_layout)
         self.rng_tracker = RNGTracker(cfg.training.seed, ctx.tp_rank, self.device)
-        # ZeRO-3 builds the chunks without storage (meta device); the optimizer materialises them one gather
-        # unit at a time (each unit in full, sharded, freed), so no rank ever holds its whole replica
-        sharded_init = cfg.zero.stage == 3
+        # the chunks are built without storage (meta device); the optimizer materialises them into its buffers
+        # one parameter at a time (stages 0-2) or one gather unit at a time, sharded (stage 3): no rank holds a
+        # second full copy of its replica, and at stage 3 not even one
+        sharded_init = True
         with torch.device("meta") if sharded_init else contextlib.nullcontext():
             self.chunks = [
                 GPT(m, ctx.tp_group, layers=s.layers, pre_process=s.pre_process, post_process=s.post_process,

@@ -117,9 +117,10 @@ class ZeroOptimizer:
     mean loss (gradients are summed over DP ranks), then :meth:`step`. ``norm_group`` is the group over which
     squared gradient norms are summed (the model-parallel group: tp x pp); ``norm_counted`` says which
     parameters this rank counts. ``loss_scale_cfg`` configures fp16 loss scaling; ``align`` is the element
-    multiple every rank's slice is padded to. At stage 3 the model may be built on the meta device: then
-    ``param_init`` gives each parameter's full fp32 value and ``device`` where the shards live (sharded
-    initialisation, one gather unit at a time).
+    multiple every rank's slice is padded to. The model may be built on the meta device: then ``param_init``
+    gives each parameter's full fp32 value and ``device`` where the buffers live; the store materialises one
+    parameter (stages 0-2) or one gather unit (stage 3, sharded) at a time, so no full copy of the replica
+    exists beyond the buffers the formula counts.
     """
 
     def __init__(
@@ -173,7 +174,8 @@ class ZeroOptimizer:
                 self.params, self.dtype, dp_group, shard_optimizer=self.sharded.optimizer_states,
                 shard_gradients=self.sharded.gradients, bucket_numel=bucket, align=align,
                 overlap_comm=zero_cfg.overlap_comm, reduce_scatter=zero_cfg.reduce_scatter, isolate=tied_params,
-                grad_dtype=self.grad_dtype, max_inflight=zero_cfg.max_inflight_buckets, groups=chunks)
+                grad_dtype=self.grad_dtype, max_inflight=zero_cfg.max_inflight_buckets, groups=chunks,
+                param_init=param_init, device=device)
         # Segments of a parameter with a copy elsewhere (the tied embedding on the first and last pipeline
         # stage). Each copy is partitioned on its own, so both hold the same elements here and their reduced
         # gradients can be summed over ``tied_group`` before the update.

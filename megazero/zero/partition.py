@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -34,6 +34,7 @@ __all__ = [
     "Piece",
     "ShardedState",
     "build_buckets",
+    "set_data",
     "sharded_state",
     "storage_bytes",
 ]
@@ -148,6 +149,17 @@ def build_buckets(numels: Sequence[int], bucket_numel: int, isolate: Sequence[bo
     return groups
 
 
+def set_data(p: nn.Parameter, value: torch.Tensor) -> None:
+    """``p.data = value``, also for a parameter built on the meta device (which ``.data`` cannot leave): its
+    tensor is swapped in place, keeping the Parameter object, its hooks and its attributes."""
+    if not p.is_meta:
+        p.data = value
+        return
+    attrs = dict(p.__dict__)
+    torch.utils.swap_tensors(p, nn.Parameter(value, requires_grad=p.requires_grad))
+    p.__dict__.update(attrs)
+
+
 def storage_bytes(tensors: Sequence[torch.Tensor], seen: set[int] | None = None) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views share one), skipping storages in ``seen``.
 
@@ -223,7 +235,9 @@ class BucketedParams:
                  shard_optimizer: bool, shard_gradients: bool, bucket_numel: int, align: int = 16,
                  overlap_comm: bool = False, reduce_scatter: bool = True,
                  isolate: Sequence[nn.Parameter] = (), grad_dtype: torch.dtype | None = None,
-                 max_inflight: int = 2, groups: Sequence[Sequence[nn.Parameter]] | None = None) -> None:
+                 max_inflight: int = 2, groups: Sequence[Sequence[nn.Parameter]] | None = None,
+                 param_init: Callable[[nn.Parameter], torch.Tensor] | None = None,
+                 device: torch.device | None = None) -> None:
         if shard_gradients and not shard_optimizer:
             raise ValueError("sharded gradients need sharded optimizer states (ZeRO stage 2 includes stage 1)")
         if max_inflight < 1:
@@ -253,7 +267,7 @@ class BucketedParams:
             self._bucket_group.append(group_of.get(ps[0], 0))
             start += layout.padded_numel
         self.numel = start
-        device = order[0].device if order else None
+        device = device or (order[0].device if order else None)
         self.param_flat = torch.empty(start, dtype=dtype, device=device)
         self._where: dict[nn.Parameter, tuple[int, int]] = {}
         self.segments: list[OwnedSegment] = []
@@ -267,12 +281,20 @@ class BucketedParams:
             self.owned_grad = None
         owned_off = 0
         for b, (s, ps, layout) in enumerate(self.buckets):
-            flat32 = layout.flatten(ps, torch.float32)
             view = self.param_flat[s: s + layout.padded_numel]
-            view.copy_(flat32)
+            view[layout.numel:].zero_()
             lo, hi = layout.shard_range(self.rank)
+            # the owned slice's fp32 starting values for a mixed-precision master copy (zeros in the padding)
+            init = torch.zeros(hi - lo, dtype=torch.float32, device=device) if dtype != torch.float32 else None
             for p, pv, off in zip(ps, layout.views(view, [p.shape for p in ps]), layout.offsets):
-                p.data = pv
+                # one parameter's full fp32 value at a time (from param_init when built on the meta device)
+                value = param_init(p) if p.is_meta else p.detach()
+                pv.copy_(value)
+                a, z = max(off, lo), min(off + p.numel(), hi)
+                if init is not None and a < z:
+                    init[a - lo: z - lo].copy_(value.reshape(-1)[a - off: z - off])
+                del value
+                set_data(p, pv)
                 self._where[p] = (b, off)
             if shard_gradients:
                 grad = self.owned_grad[owned_off: owned_off + layout.shard_numel]
@@ -280,7 +302,6 @@ class BucketedParams:
             else:
                 grad = self.grad_flat[s + lo: s + hi]
             pieces = [(ps[pc.index], pc.offset, pc.offset + pc.numel) for pc in layout.pieces(lo, hi)]
-            init = flat32[lo:hi].clone() if dtype != torch.float32 else None
             self.segments.append(OwnedSegment(view[lo:hi], grad, pieces, init))
         # gradients land in ``p.grad`` views of grad_flat (stages 0-1 in the model dtype) or pass through hooks
         self._grad_views = not shard_gradients and gdt == dtype

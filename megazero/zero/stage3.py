@@ -49,24 +49,13 @@ from torch import nn
 
 from megazero.config import ZeroConfig
 from megazero.distributed import Group
-from megazero.zero.partition import BucketedParams, FlatLayout, OwnedSegment
+from megazero.zero.partition import BucketedParams, FlatLayout, OwnedSegment, set_data
 from megazero.zero.stage3_gather import BWD, FWD, GatherOrderError, GatherScheduler
 from megazero.zero.stage3_units import PreBackward, Unit, collect_units, model_chunks
 
 __all__ = ["GatherOrderError", "Stage3Params"]
 
 ParamInit = Callable[[nn.Parameter], torch.Tensor]  # a parameter's full (local-shape) fp32 initial value
-
-
-def _set_data(p: nn.Parameter, value: torch.Tensor) -> None:
-    """``p.data = value``, also for a parameter built on the meta device (which ``.data`` cannot leave): its
-    tensor is swapped in place, keeping the Parameter object, its hooks and its attributes."""
-    if not p.is_meta:
-        p.data = value
-        return
-    attrs = dict(p.__dict__)
-    torch.utils.swap_tensors(p, nn.Parameter(value, requires_grad=p.requires_grad))
-    p.__dict__.update(attrs)
 
 
 class Stage3Params:
@@ -92,7 +81,7 @@ class Stage3Params:
             ps = [p for s in specs if s.chunk == c for p in s.params if p.numel() <= threshold]
             for p in ps:
                 if p.is_meta:  # persistent parameters are held whole anyway: materialise them in full
-                    _set_data(p, param_init(p).to(self.device))
+                    set_data(p, param_init(p).to(self.device))
             store = BucketedParams(
                 ps, dtype, dp_group, shard_optimizer=True, shard_gradients=True,
                 bucket_numel=min(cfg.reduce_bucket_size, cfg.allgather_bucket_size), align=align,
@@ -119,6 +108,7 @@ class Stage3Params:
             unit = Unit(len(self.units), spec, layout, self.shard_flat[off: off + n],
                         self.owned_grad[off: off + n], full)
             off += n
+            full.untyped_storage().resize_(0)  # released from the start: gathered when first used
             self.segments.append(self._shard_unit(unit, param_init))
             self.units.append(unit)
             for p in unit.params:
@@ -144,11 +134,10 @@ class Stage3Params:
             value = param_init(p) if p.is_meta else p.detach()
             flat32[o: o + n].copy_(value.reshape(-1))
             del value
-            _set_data(p, self._placeholder.expand(p.shape))  # frees the parameter's own (full) storage
+            set_data(p, self._placeholder.expand(p.shape))  # frees the parameter's own (full) storage
         unit.shard.copy_(flat32[lo:hi])
         init = flat32[lo:hi].clone() if self.dtype != torch.float32 else None
         del flat32
-        unit.full.untyped_storage().resize_(0)
         pieces = [(ps[pc.index], pc.offset, pc.offset + pc.numel) for pc in layout.pieces(lo, hi)]
         return OwnedSegment(unit.shard, unit.grad, pieces, init)
 
