@@ -156,8 +156,16 @@ def set_data(p: nn.Parameter, value: torch.Tensor) -> None:
         p.data = value
         return
     attrs = dict(p.__dict__)
+    hooks = list((p._backward_hooks or {}).values())
+    post = list((p._post_accumulate_grad_hooks or {}).values())
     torch.utils.swap_tensors(p, nn.Parameter(value, requires_grad=p.requires_grad))
     p.__dict__.update(attrs)
+    p._backward_hooks = None  # the hooks stayed with the swapped-out tensor: register them again
+    for hook in hooks:
+        p.register_hook(hook)
+    p._post_accumulate_grad_hooks = None
+    for hook in post:
+        p.register_post_accumulate_grad_hook(hook)
 
 
 def storage_bytes(tensors: Sequence[torch.Tensor], seen: set[int] | None = None) -> int:
