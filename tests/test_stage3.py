@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_leaves
 from megazero.cli import parse_args
 from megazero.engine import Engine
 from megazero.model.gpt import GPT, init_parameters
-from tests.common import normwise_error
+from tests.common import assert_matches_reference, merge_runs, normwise_error, train_runs
 from tests.dist import run_world
 
 FLAGS = ["--hidden-size", "64", "--num-heads", "4", "--seq-len", "32", "--vocab-size", "512", "--lr", "3e-3",
@@ -87,17 +87,18 @@ def _pp_world(ctx, cache: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(data_cache):
+def pp_reference(data_cache):
     return run_world(_train, 1, ["--num-layers", "4"], data_cache, 8)[0]
 
 
-def test_stage3_interleaved_and_recompute_match_one_process_and_the_ledger(reference, data_cache) -> None:
+def test_stage3_interleaved_and_recompute_match_one_process_and_the_ledger(pp_reference, data_cache) -> None:
     """pp 2 x dp 2 at stage 3 (2 micro-batches per DP rank): the interleaved schedule (2 chunks per rank) and
     1F1B with full recomputation train the single-process model within 1e-5; the DP ledger per step is
     3mΨ_g (+ (m + 1)Ψ_p for persistent parameters) in both, recomputation included, because a recomputed
     block stays gathered for its backward; with stage3_max_reuse_distance 0 it is gathered again (4mΨ for
     the blocks). Once the first step has traced the order, the order check issues no collective."""
     results = run_world(_pp_world, 4, data_cache, pp=2, timeout=600)
+    reference = pp_reference
     for name in PP_RUNS:
         got = results[0][name]
         worst = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], reference["losses"]))
@@ -316,3 +317,12 @@ def test_stages_0_to_2_build_without_a_second_fp32_copy(data_cache) -> None:
             if masters is not None:
                 assert masters.keys() == ref.keys()
                 assert all(torch.equal(masters[k], ref[k]) for k in ref), (stage, precision)
+
+
+def test_stage3_with_sequence_parallelism_built_on_meta(reference, data_cache, tmp_path) -> None:
+    """tp 2 x dp 2 with sequence parallelism at ZeRO-3 through the Engine (built on the meta device): the TP
+    all-reduce hooks of replicated parameters' gradients survive materialisation; parity with one process."""
+    runs = [["--tp", "2", "--zero-stage", "3", "--sequence-parallel", "--micro-batch-size", "2",
+             "--global-batch-size", "8"]]
+    for losses, state in merge_runs(run_world(train_runs, 4, runs, data_cache, str(tmp_path), tp=2)):
+        assert_matches_reference(losses, state, reference)
