@@ -86,7 +86,8 @@ class Stage3Params:
                 ps, dtype, dp_group, shard_optimizer=True, shard_gradients=True,
                 bucket_numel=min(cfg.reduce_bucket_size, cfg.allgather_bucket_size), align=align,
                 overlap_comm=cfg.overlap_comm, reduce_scatter=cfg.reduce_scatter, isolate=isolate,
-                grad_dtype=self.grad_dtype, max_inflight=self.max_inflight) if ps else None
+                grad_dtype=self.grad_dtype, max_inflight=self.max_inflight, param_init=param_init,
+                device=self.device) if ps else None
             self.persistent.append(store)
             self.segments += store.segments if store is not None else []
         for s in specs:
