@@ -17,7 +17,6 @@ from __future__ import annotations
 import datetime
 import os
 import re
-import socket
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -366,10 +365,3 @@ def destroy_distributed() -> None:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - nothing useful to do at shutdown
             pass
-
-
-def free_port() -> int:
-    """A TCP port that is free on this host right now (for tests and single-node launches)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
