@@ -17,7 +17,6 @@ broadcast along the pipeline, so every rank reports the same number.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass
 
@@ -27,7 +26,7 @@ from torch import nn
 from megazero import host
 from megazero.config import Config
 from megazero.lr_schedule import lr_at
-from megazero.model.gpt import GPT, full_state_dict, init_parameters, parameter_initializer
+from megazero.model.gpt import GPT, full_state_dict, parameter_initializer
 from megazero.parallel_context import ParallelContext
 from megazero.pipeline.executor import PipelineExecutor
 from megazero.pipeline.p2p import PipelineP2P
@@ -71,21 +70,14 @@ class Engine:
         # the chunks are built without storage (meta device); the optimizer materialises them into its buffers
         # one parameter at a time (stages 0-2) or one gather unit at a time, sharded (stage 3): no rank holds a
         # second full copy of its replica, and at stage 3 not even one
-        sharded_init = True
-        with torch.device("meta") if sharded_init else contextlib.nullcontext():
+        with torch.device("meta"):
             self.chunks = [
                 GPT(m, ctx.tp_group, layers=s.layers, pre_process=s.pre_process, post_process=s.post_process,
                     sequence_parallel=p.sequence_parallel, rng_tracker=self.rng_tracker,
                     activation_checkpointing=cfg.activation_checkpointing)
                 for s in self.specs
             ]
-        param_init = None
-        if sharded_init:
-            param_init = parameter_initializer(self.chunks, cfg.training.seed, ctx.tp_group, self.device)
-        else:
-            for chunk in self.chunks:
-                chunk.to(self.device)
-                init_parameters(chunk, cfg.training.seed, ctx.tp_group)
+        param_init = parameter_initializer(self.chunks, cfg.training.seed, ctx.tp_group, self.device)
         # the tied embedding's second copy (last stage, pp > 1): summed with the first, counted once in the norm
         self.tied = [c.wte.weight for c in self.chunks if hasattr(c, "wte")] if ctx.pp_size > 1 else []
         self.model = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)

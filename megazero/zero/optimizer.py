@@ -307,7 +307,7 @@ class ZeroOptimizer:
         moments untouched: under fp16 loss scaling it is an overflow and lowers the scale; without a scaler it
         is counted in :attr:`skipped_steps` and :attr:`consecutive_skips` (see
         :meth:`check_skipped_steps`). Otherwise clip by the global norm and update with learning rate ``lr``."""
-        g = getattr(self, "_grads", None)
+        g = self._grads
         if g is None:
             raise RuntimeError("ZeroOptimizer.finish_step called without prepare_step for this step")
         self._grads = None
