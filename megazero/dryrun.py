@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from megazero import host
 from megazero.config import Config
 from megazero.engine import Engine
 from megazero.memory import PeakMemoryTracker, zero_buffers
+from megazero.model.kernels import emulate
 from megazero.parallel_context import ParallelContext, RankGrid
 from megazero.pipeline.p2p_replay import record_p2p, replay
 from megazero.pipeline.schedules import simulate
@@ -166,10 +167,13 @@ def _roofline(cfg: Config, grid: RankGrid, rank: int, breakdown: dict[tuple[str,
     return st.as_dict()
 
 
-def dry_run(cfg: Config, c: Cluster, log_dir: str | None = None) -> DryRunReport:
-    """Dry-run every rank role of ``cfg`` (resolved for its world) and judge whether it fits ``c``."""
+def dry_run(cfg: Config, c: Cluster, log_dir: str | None = None, device_type: str = "cuda") -> DryRunReport:
+    """Dry-run every rank role of ``cfg`` (resolved for its world and ``device_type``) and judge whether it fits
+    ``c``. The meta tensors run the kernels of ``device_type`` (:func:`megazero.model.kernels.emulate`: fused
+    attention and dropout on CUDA); compiled blocks (``--compile``) run eagerly, as the tracker sees them."""
     start = time.perf_counter()
     p, m, t = cfg.parallel, cfg.model, cfg.training
+    step_cfg = replace(cfg, training=replace(t, compile=False))  # nothing to compile for on meta
     if cfg.zero.offload_optimizer or cfg.zero.offload_param:
         raise ValueError("--dry-run does not support --offload-optimizer/--offload-param yet (their host buffers "
                          "would copy from meta tensors); dry-run without offload, or estimate offload with "
@@ -177,7 +181,8 @@ def dry_run(cfg: Config, c: Cluster, log_dir: str | None = None) -> DryRunReport
     grid = RankGrid(p.tp_size * p.pp_size * p.dp_size, p.tp_size, p.pp_size, p.dp_size)
     roles = []
     for rank, padded in rank_roles(grid, m.vocab_size):
-        res = run_role(cfg, grid, rank, c)
+        with emulate(device_type):
+            res = run_role(step_cfg, grid, rank, c)
         res.holds_vocab_padding = padded
         roles.append(res)
     p2p_ok, p2p_text = True, "no pipeline"
@@ -208,7 +213,8 @@ def dry_run(cfg: Config, c: Cluster, log_dir: str | None = None) -> DryRunReport
         topology={"tp": p.tp_size, "pp": p.pp_size, "dp": p.dp_size, "world_size": grid.world_size,
                   "zero_stage": cfg.zero.stage, "schedule": schedule, "virtual_stages": v,
                   "micro_batches": t.gradient_accumulation_steps, "micro_batch_size": t.micro_batch_size,
-                  "precision": t.precision, "gpus_per_node": c.gpus_per_node},
+                  "precision": t.precision, "gpus_per_node": c.gpus_per_node, "device_type": device_type,
+                  "compile": bool(t.compile)},
         roles=roles, bubble_fraction=bubble, usable_memory_bytes=usable, gpu=c.gpu.name, fits=fits,
         verdict=verdict, wall_seconds=time.perf_counter() - start, p2p_replay=p2p_text, p2p_ok=p2p_ok)
     if log_dir:
@@ -248,5 +254,7 @@ def format_report(r: DryRunReport) -> str:
               "peak: live tensors by category at the step's peak (the tracker of metrics.jsonl); Melem: elements"
               " per step as the ledger counts them (all-reduce 2n); step s: roofline estimate on "
               f"{tp['gpus_per_node']}-GPU nodes of {r.gpu}",
+              f"kernels as on {tp.get('device_type', 'cuda')} (fused attention and dropout on cuda)"
+              + ("; --compile's blocks run eagerly here" if tp.get("compile") else ""),
               f"verdict: {r.verdict}"]
     return "\n".join(lines)

@@ -32,6 +32,7 @@ from torch import nn
 
 from megazero.config import ActivationCheckpointingConfig, ModelConfig
 from megazero.distributed import Group
+from megazero.model.kernels import causal_attention, dropout
 from megazero.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -57,14 +58,14 @@ class Dropout(nn.Dropout):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rng_tracker is None or not self.training or self.p == 0:
-            return super().forward(x)
+            return dropout(x, self.p, self.training)
         return self._forked(x)
 
     @torch.compiler.disable
     def _forked(self, x: torch.Tensor) -> torch.Tensor:
         """Dropout on the TP rank's own stream; eager under torch.compile (the RNG state swap is not traced)."""
         with self.rng_tracker.fork():
-            return super().forward(x)
+            return dropout(x, self.p, self.training)
 
 
 class LayerNorm(nn.Module):
@@ -105,13 +106,13 @@ class CausalSelfAttention(nn.Module):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         dropout_p = self.dropout if self.training else 0.0
         if dropout_p == 0 or self.rng_tracker is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+            return causal_attention(q, k, v, dropout_p)
         return self._attend_forked(q, k, v, dropout_p)
 
     @torch.compiler.disable
     def _attend_forked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
         with self.rng_tracker.fork():  # this rank's heads: its own dropout mask (eager under torch.compile)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+            return causal_attention(q, k, v, dropout_p)
 
     def _core(self, qkv: torch.Tensor) -> torch.Tensor:
         """The attention core: [B, S, 3H/tp] -> [B, S, H/tp], this rank's heads."""
