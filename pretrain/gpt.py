@@ -43,18 +43,20 @@ def dry_run_main(argv: list[str]) -> int:
     p.add_argument("--gpus-per-node", type=int, default=None)
     p.add_argument("--efficiency", type=float, default=0.5)
     p.add_argument("--memory-gb", type=float, default=None)
+    p.add_argument("--device-type", choices=("cuda", "cpu"), default="cuda",
+                   help="plan for ranks of this device type: its defaults (bf16, compile) and kernels")
     known, rest = p.parse_known_args(argv)
     try:
         cfg = parse_args(rest)
         par = cfg.parallel
-        cfg = cfg.resolve(par.tp_size * par.pp_size * (par.dp_size or 1))
+        cfg = cfg.resolve(par.tp_size * par.pp_size * (par.dp_size or 1), device_type=known.device_type)
         c = cluster(known.gpu, known.gpus_per_node, efficiency=known.efficiency,
                     memory_bytes=known.memory_gb * 1e9 if known.memory_gb else None)
     except (ConfigError, TopologyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     setup_logging(0, 1)
-    report = dry_run(cfg, c, cfg.logging.log_dir)
+    report = dry_run(cfg, c, cfg.logging.log_dir, device_type=known.device_type)
     print(format_report(report))
     print(f"written: {os.path.join(cfg.logging.log_dir, 'dryrun.json')}")
     return 0 if report.fits else 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -14,6 +15,13 @@ from megazero.planner import Layout, dp_volume, evaluate, layouts, search, torch
 from megazero.roofline import GPUS, bubble_fraction, cluster, collective_seconds, group_nodes, step_time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(name: str, path: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, *path.split("/")))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def _plan_tool():
@@ -115,3 +123,24 @@ def test_torchrun_command_single_node():
     plan = evaluate(model_preset("gpt2-124m"), Layout(2, 1, 4, 2, 4), 32, cluster("h100", 8))
     cmd = torchrun_command(plan, ["--model", "gpt2-124m"], 32, "bf16", 8)
     assert cmd.startswith("torchrun --nnodes 1 --nproc-per-node 8 pretrain/gpt.py") and "--rdzv" not in cmd
+
+
+def test_dry_run_plans_with_the_cuda_defaults(tmp_path, capsys):
+    """``--dry-run`` resolves the defaults a CUDA run gets (bf16, compiled blocks) and runs CUDA's kernels; with
+    ``--device-type cpu`` those of a CPU run (fp32, no compile, the meta device's own kernels)."""
+    gpt = _load("pretrain_gpt", "pretrain/gpt.py")
+    flags = ["--dry-run", "--tp", "2", "--dp", "2", "--global-batch-size", "8", "--micro-batch-size", "2",
+             "--num-layers", "2", "--hidden-size", "64", "--num-heads", "4", "--seq-len", "64"]
+    topo, peaks = {}, {}
+    for name, extra in (("cuda", []), ("cpu", ["--device-type", "cpu"]),
+                        ("cpu-bf16", ["--device-type", "cpu", "--precision", "bf16"])):
+        assert gpt.dry_run_main([*flags, *extra, "--log-dir", str(tmp_path / name)]) == 0
+        saved = json.loads((tmp_path / name / "dryrun.json").read_text())
+        topo[name] = tuple(saved["topology"][k] for k in ("precision", "compile", "device_type"))
+        peaks[name] = saved["roles"][0]["peak_by_category"]
+    assert topo == {"cuda": ("bf16", True, "cuda"), "cpu": ("fp32", False, "cpu"), "cpu-bf16": ("bf16", False, "cpu")}
+    assert "--compile's blocks run eagerly" in capsys.readouterr().out
+    assert peaks["cuda"]["params"] * 2 == peaks["cpu"]["params"]  # bf16 parameters, as the GPU run holds them
+    # the same bf16 step on CUDA's kernels (fused attention: no S x S probabilities) saves less than on a CPU's
+    assert peaks["cuda"]["params"] == peaks["cpu-bf16"]["params"]
+    assert peaks["cuda"]["activations"] < peaks["cpu-bf16"]["activations"]

@@ -146,8 +146,8 @@ def confirm(plans: list[Plan], model_flags: list[str], args: argparse.Namespace,
         if lay.offload:
             lines.append(f"  #{i + 1}: skipped (the dry run does not support offload yet)")
             continue
-        cfg = parse_args(flags).resolve(lay.tp * lay.pp * lay.dp)
-        rep = dry_run(cfg, c)
+        cfg = parse_args(flags).resolve(lay.tp * lay.pp * lay.dp, device_type="cuda")  # the GPU run's defaults
+        rep = dry_run(cfg, c, device_type="cuda")
         worst = max(r.peak_bytes for r in rep.roles)
         lines.append(f"  #{i + 1}: measured peak {worst / 1e9:.2f} GB vs estimated {pl.peak_bytes / 1e9:.2f} GB; "
                      f"{rep.verdict} ({len(rep.roles)} roles, {rep.wall_seconds:.0f} s)")
