@@ -359,14 +359,16 @@ class PeakEstimate:
 
     model_states: float  # parameters, gradients, master copy and Adam moments at rest (where they count)
     activations: float  # the micro-batches stashed at once
-    comm_buffers: float  # gradient staging in flight; stage 3: gathered units beyond the persistent ones
-    transient: float  # what backward allocates on top at its peak: recomputation, fresh gradients
+    comm_buffers: float  # gradient staging buckets (stage 2, stage 3's persistent parameters)
+    transient: float  # what backward allocates on top at its peak: recomputation, fresh gradients; stage 3:
+    # gathered units and a block's gradient staging
     optimizer_transient: float = 0.0  # what the optimizer step allocates on top of the states and buffers
+    released: float = 0.0  # of the above, not live at the backward peak (stage 3; see peak_bytes)
 
     @property
     def backward(self) -> float:
-        """The peak as backward begins on the stashed micro-batches."""
-        return self.model_states + self.activations + self.comm_buffers + self.transient
+        """The peak of backward."""
+        return self.model_states + self.activations + self.comm_buffers + self.transient - self.released
 
     @property
     def optimizer_step(self) -> float:
@@ -392,10 +394,7 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
     * activations: :func:`activation_bytes` times :func:`in_flight_micro_batches`;
     * communication buffers (stages 2-3, as ``megazero/zero`` holds them): the gradient staging buckets of
       stage 2 and of stage 3's persistent parameters, ``e·min(bucket, Ψ)`` (all of Ψ with ``overlap_comm``,
-      whose buckets stay in flight to the end of backward); stage 3 also holds, as backward begins, the
-      chunk's own unit (embeddings, head) and the next block gathered and one unit's gradient staging
-      (``e·(root + block) + e·max(root, block)``; without ``overlap_comm`` each unit's reduction completes
-      before the next begins);
+      whose buckets stay in flight to the end of backward); stage 3: see below;
     * transients: one layer's recomputation (:func:`recompute_bytes`) and the fresh gradient autograd makes
       before it is accumulated -- of the largest parameter (on the last stage the tied embedding, whose
       gradient the LM head's backward produces first) -- plus the gradient of the LM head's input, ``e·sbh``
@@ -406,6 +405,17 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
 
     An upper bound where the peak of a phase does not coincide with the others' (the staging buckets fill as
     activations are freed).
+
+    Stage 3 (:mod:`megazero.zero.stage3`) is followed through its backward, the largest of: as it begins
+    (the chunk's own units gathered, the next block prefetched, the LM head's fresh gradient of the tied
+    embedding); during each block's backward (that block and the next gathered, one block's gradient
+    staging, the largest block parameter's fresh gradient, the head's gradient of the tied embedding held
+    by autograd until the embedding's backward adds to it; the chunk's own units are released by then, and
+    the activations of the blocks already done are freed); and at the embedding's backward (the embedding's
+    and the head's gradients and their sum, or one of them and the own units' staging). With one micro-batch
+    per step the owned gradient partition fills unit by unit as backward reduces it (:attr:`PeakEstimate.
+    released` says what is not yet there, and the activations freed); with several it is whole from the
+    second on. ``released`` is that difference from the sum of the other fields.
     """
     e = ELEMENT_BYTES[precision]
     numel = rank_parameter_numels(model, tp_size, pp_size, pp_rank)
@@ -420,26 +430,53 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
     act = activation_bytes(model, micro_batch, **common, layers=len(layers), first_stage=first, last_stage=last)
     act *= in_flight_micro_batches(pp_size, pp_rank, schedule, micro_batches)
     comm = 0.0
+    eg = 4 if precision == "bf16" else e  # gradients are staged and reduced in fp32 in bf16 (--grad-dtype)
     if stage >= 2:
         whole = [n for n in sizes if stage == 2 or n <= persistence_threshold]  # staged in buckets
         psi_w = sum(whole)
-        eg = 4 if precision == "bf16" else e  # gradients are staged and reduced in fp32 in bf16 (--grad-dtype)
         comm = eg * (psi_w if overlap_comm else min(bucket_numel, psi_w))
-        if stage == 3:  # units: each block, and the chunk's own parameters (embeddings, head) as one "root"
-            big = {k: n for k, n in numel.items() if n > persistence_threshold}
-            blocks: dict[str, float] = {}
-            for k, n in big.items():
-                if k.startswith("blocks."):
-                    blocks[k.split(".")[1]] = blocks.get(k.split(".")[1], 0) + n
-            root = sum(n for k, n in big.items() if not k.startswith("blocks."))
-            block = max(blocks.values(), default=0)
-            # backward begins with the root unit and the next block gathered (a recomputed block stays gathered
-            # for its backward: the same one) and one unit's gradient staging at a time
-            comm += e * (root + block) + eg * max(root, block)
     s, h = model.seq_len, model.hidden_size
     sp = tp_size if sequence_parallel and tp_size > 1 else 1
     # the LM head input's gradient (last stage), or the gradient received from the next stage (the others)
     transient = recompute_bytes(model, micro_batch, **common) + e * max(sizes) + e * s * micro_batch * h / sp
     if not last:
         transient += e * s * micro_batch * h / sp  # and the output just sent, held until the send completes
-    return PeakEstimate(states, act, comm, transient, 3 * e * max(sizes))
+    if stage != 3:
+        return PeakEstimate(states, act, comm, transient, 3 * e * max(sizes))
+    blocks_act = activation_bytes(model, micro_batch, **common, layers=len(layers), first_stage=False,
+                                  last_stage=False)
+    gathered, released = _stage3_backward(numel, persistence_threshold, e, eg, dp_size, micro_batches,
+                                          blocks_act, first, last, pp_size)
+    # the optimizer step works on owned slices: three fp32 tensors of the largest one at most
+    return PeakEstimate(states, act, comm, transient + gathered, 3 * e * max(sizes) / dp_size, released)
+
+
+def _stage3_backward(numel: dict[str, int], threshold: int, e: int, eg: int, dp_size: int, micro_batches: int,
+                     blocks_act: float, first: bool, last: bool, pp_size: int) -> tuple[float, float]:
+    """Stage 3's backward peak beyond the states, activations and the common transients of :func:`peak_bytes`
+    (its docstring): ``(bytes added, bytes released)`` at the largest of the moments it lists."""
+    big = {k: n for k, n in numel.items() if n > threshold}
+    blocks: dict[str, float] = {}
+    for k, n in big.items():
+        if k.startswith("blocks."):
+            blocks[k.split(".")[1]] = blocks.get(k.split(".")[1], 0) + n
+    root = sum(n for k, n in big.items() if not k.startswith("blocks."))
+    block, n_blocks = max(blocks.values(), default=0), len(blocks)
+    block_param = max((n for k, n in big.items() if k.startswith("blocks.")), default=0)
+    largest = max(numel.values())  # counted in the common transient: the fresh gradient at the head
+    wte = big.get("wte.weight", 0)
+    held = e * wte if first and last else 0.0  # the head's gradient of the tied embedding, until the embedding
+
+    def missing(reduced_blocks: int) -> float:  # owned gradient parts not yet reduced (one micro-batch)
+        return eg * (root + (n_blocks - reduced_blocks) * block) / dp_size if micro_batches == 1 else 0.0
+
+    # (added, released): as backward begins, during the i-th block's backward, at the embedding's backward
+    moments = [(e * (root + block), missing(0))]
+    for i in range(n_blocks):
+        prefetched = block if i < n_blocks - 1 else 0
+        added = e * (block + prefetched) + eg * block + e * block_param + held - e * largest
+        moments.append((added, missing(i) + blocks_act * i / max(n_blocks, 1)))
+    if first and wte:
+        added = max(3 * e * wte if last else e * wte, e * wte + eg * root) - e * largest
+        moments.append((added, missing(n_blocks) + blocks_act))
+    return max(moments, key=lambda m: m[0] - m[1])

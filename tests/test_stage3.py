@@ -158,6 +158,11 @@ class _Peaks:
     def __init__(self, ctx, engine: Engine) -> None:
         self.store, self.outputs = engine.optimizer.store, {}
         self.gathered = self.grads = 0
+        # at each gradient arrival of a block's parameter: the own (root) units' gathered bytes, the staging
+        # bytes beyond the owned partition; at every sample: the owned partition's live bytes
+        self.root_in_blocks, self.staging_in_blocks = 0, set()
+        self.owned = []
+        in_block = {id(p) for u in self.store.units if not u.is_root for p in u.params}
         group = ctx.dp_group
         gather, scatter = group.all_gather_into, group.reduce_scatter
 
@@ -176,20 +181,25 @@ class _Peaks:
 
         group.all_gather_into, group.reduce_scatter = all_gather_into, reduce_scatter
         for p in engine.model.parameters():  # registered after the store's own hooks: run after them
-            p.register_post_accumulate_grad_hook(lambda _: self.sample())
+            p.register_post_accumulate_grad_hook(lambda q: self.sample(id(q) in in_block))
 
-    def sample(self) -> None:
+    def sample(self, block_grad: bool = False) -> None:
         live = 0
         for key, ref in list(self.outputs.items()):
             if ref.expired():
                 del self.outputs[key]
             else:
                 live += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
-        owned = {self.store.owned_grad.untyped_storage().data_ptr()}
+        owned = {u.grad.untyped_storage().data_ptr() for u in self.store.units}
         grads = [g for g in self.store.held_tensors()["grads"] if g.untyped_storage().data_ptr() not in owned]
         self.gathered = max(self.gathered, live)
-        self.grads = max(self.grads, sum({g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
-                                          for g in grads}.values()))
+        sizes = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in grads}
+        self.grads = max(self.grads, sum(sizes.values()))
+        self.owned.append(sum(u.grad.untyped_storage().nbytes() for u in self.store.units))
+        if block_grad:
+            roots = sum(u.full.untyped_storage().nbytes() for u in self.store.units if u.is_root)
+            self.root_in_blocks = max(self.root_in_blocks, roots)
+            self.staging_in_blocks |= set(sizes.values())
 
 
 def _named_masters(engine: Engine) -> dict[str, torch.Tensor]:
@@ -215,6 +225,12 @@ def _dp4_world(ctx, cache: str) -> dict:
         engine.train_step(_batches(step, ctx, 1))
         checks.append(ctx.ledger.calls[key] - before)
     gathered_peak, grads_peak = peaks.gathered, peaks.grads  # of the training steps
+    owned_full = sum(u.grad.numel() * u.grad.element_size() for u in store.units)
+    owned_after_step = sum(u.grad.untyped_storage().nbytes() for u in store.units)
+    engine.optimizer.zero_grad()
+    owned_after_zero = sum(u.grad.untyped_storage().nbytes() for u in store.units)
+    owned = (min(peaks.owned), max(peaks.owned), owned_full, owned_after_step, owned_after_zero)
+    in_blocks = (peaks.root_in_blocks, sorted(peaks.staging_in_blocks), dict(store._roots_free))
     # gathered_parameters() holds through forwards run inside it: no gather, nothing released
     x = _batches(0, ctx, 2)[0][0]
     chunk = engine.chunks[0]
@@ -240,7 +256,56 @@ def _dp4_world(ctx, cache: str) -> dict:
     return {"largest_param": 4 * max(p.numel() for p in engine.model.parameters()), "budget_peak": limited.gathered, "budget_bytes": 4 * budget,"construction": construction, "initial": initial, "gathered_peak": gathered_peak,
             "grads_peak": grads_peak, "unit_bytes": unit_bytes, "root": [u.name for u in store.units if u.is_root],
             "checks": checks, "holds": (held, gathers, [torch.equal(t, outside) for t in inside]),
-            "released": released, "deviation_checks": deviation_checks, "inflight": store.max_inflight}
+            "released": released, "deviation_checks": deviation_checks, "inflight": store.max_inflight,
+            "owned": owned, "in_blocks": in_blocks, "toy": _toy_roots_kept(ctx)}
+
+
+class _Toy(torch.nn.Module):
+    """A chunk whose part before the blocks saves one of its own parameters for backward (``proj_in``'s
+    weight, for the gradient of its input): ZeRO-3 must keep its own units gathered through the blocks'
+    backward, since the embedding's backward comes after them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(64, 32)
+        self.proj_in = torch.nn.Linear(32, 32)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(3))
+        self.head = torch.nn.Linear(32, 64)
+
+    def forward(self, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.proj_in(self.emb(ids))
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), y.flatten(), reduction="sum")
+
+
+def _toy_roots_kept(ctx) -> tuple:
+    """The toy at stage 3 over DP (3 steps, AdamW) against plain torch AdamW on the whole batch, one process."""
+    from megazero.config import OptimizerConfig, ZeroConfig
+    from megazero.zero import ZeroOptimizer
+
+    opt_cfg = OptimizerConfig(lr=1e-2, weight_decay=0.0, clip_grad=0.0)
+    g = torch.Generator().manual_seed(7)
+    data = [(torch.randint(0, 64, (8, 6), generator=g), torch.randint(0, 64, (8, 6), generator=g)) for _ in range(3)]
+    ref = _Toy()
+    adam = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=opt_cfg.betas, eps=opt_cfg.eps, weight_decay=0.0)
+    for x, y in data:
+        adam.zero_grad()
+        (ref(x, y) / y.numel()).backward()
+        adam.step()
+    model = _Toy()
+    opt = ZeroOptimizer(model, ZeroConfig(stage=3, stage3_param_persistence_threshold=0), opt_cfg, ctx.dp_group)
+    b = 8 // ctx.dp_size
+    for x, y in data:
+        opt.zero_grad()
+        xs, ys = (t[ctx.dp_rank * b: (ctx.dp_rank + 1) * b] for t in (x, y))
+        opt.backward(model(xs, ys) / y.numel())
+        opt.step(opt_cfg.lr)
+    with opt.gathered_parameters():
+        err = normwise_error({n: p.detach().clone() for n, p in model.named_parameters()},
+                             dict(ref.named_parameters()))
+    return dict(opt.store._roots_free), err
 
 
 def _stage0_initial(ctx, cache: str) -> dict[str, torch.Tensor]:
@@ -279,6 +344,19 @@ def test_stage3_peaks_order_check_holding_and_sharded_init_at_dp4(data_cache) ->
         assert transient <= bound < 0.6 * whole, (transient, bound, whole)
         assert r["initial"].keys() == ref.keys()
         assert all(torch.equal(r["initial"][k], ref[k]) for k in ref), "sharded init differs from a stage-0 build"
+        # the own units (embeddings, head, final LayerNorm; persistence 0) are released once backward reaches
+        # the blocks (GPT's embedding saves only the token ids), and their gradients are staged only at the
+        # end: during the blocks' backward no own unit is gathered and every staging buffer is a block's
+        root_in_blocks, staging_in_blocks, roots_free = r["in_blocks"]
+        assert roots_free == {0: True} and root_in_blocks == 0, r["in_blocks"]
+        blocks = {v for n, v in sizes.items() if n not in r["root"]}
+        assert staging_in_blocks and set(staging_in_blocks) <= blocks, (staging_in_blocks, blocks, root)
+        # the owned gradient partition is allocated unit by unit by the step's reductions, freed by zero_grad
+        low, high, full, after_step, after_zero = r["owned"]
+        assert low == 0 and high == full == after_step and after_zero == 0, r["owned"]
+        # a chunk whose part before the blocks saved an own parameter keeps its own units: still exact
+        toy_free, toy_err = r["toy"]
+        assert toy_free == {0: False} and toy_err < 1e-5, r["toy"]
 
 
 # -- stages 0-2: materialised one parameter at a time, no second fp32 copy of the replica ------------------------

@@ -51,7 +51,7 @@ from megazero.config import ZeroConfig
 from megazero.distributed import Group
 from megazero.zero.partition import BucketedParams, FlatLayout, OwnedSegment, set_data
 from megazero.zero.stage3_gather import BWD, FWD, GatherOrderError, GatherScheduler
-from megazero.zero.stage3_units import PreBackward, Unit, collect_units, model_chunks
+from megazero.zero.stage3_units import PreBackward, Unit, collect_units, model_chunks, saves_storage
 
 __all__ = ["GatherOrderError", "Stage3Params"]
 
@@ -99,17 +99,17 @@ class Stage3Params:
         host = torch.device("cpu") if offload_param else self.device
         pin = offload_param and torch.cuda.is_available()
         self.shard_flat = torch.empty(total, dtype=dtype, device=host, pin_memory=pin)
-        self.owned_grad = torch.zeros(total, dtype=self.grad_dtype, device=self.device)
         self._placeholder = torch.full((1,), float("nan"), dtype=dtype, device=self.device)
         self.units: list[Unit] = []
         off = 0
         for spec, layout in zip(specs, layouts):
             n = layout.shard_numel
             full = torch.empty(layout.padded_numel, dtype=dtype, device=self.device)
-            unit = Unit(len(self.units), spec, layout, self.shard_flat[off: off + n],
-                        self.owned_grad[off: off + n], full)
+            grad = torch.empty(n, dtype=self.grad_dtype, device=self.device)
+            unit = Unit(len(self.units), spec, layout, self.shard_flat[off: off + n], grad, full)
             off += n
             full.untyped_storage().resize_(0)  # released from the start: gathered when first used
+            grad.untyped_storage().resize_(0)  # allocated by the unit's first reduction of a step
             self.segments.append(self._shard_unit(unit, param_init))
             self.units.append(unit)
             for p in unit.params:
@@ -121,6 +121,9 @@ class Stage3Params:
         self._install_hooks()
         self._in_backward = False
         self._touched: set[int] = set()  # chunks this backward ran through
+        self._probed = False  # this forward pass looked at what its part before the first block saved
+        self._roots_free: dict[int, bool] = {}  # chunk -> its own units are not needed by the blocks' backward
+        self._saved_names: dict[type, list[str]] = {}  # autograd node type -> its saved-value attributes
         self._inflight: list[tuple[object, Unit, torch.Tensor]] = []
         self._pool: dict[int, list[torch.Tensor]] = {}  # idle staging buffers by size
         self.peak_grad_numel = 0  # most staging elements held at once (filling, in flight or pooled)
@@ -149,8 +152,9 @@ class Stage3Params:
             if unit.is_root:
                 roots[unit.chunk].append(unit)
                 continue
-            unit.module.register_forward_pre_hook(lambda *_, u=unit: self.sched.use(u))
+            unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit))
             unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
+        self._roots = roots
         for c, chunk in enumerate(self.chunks):
             chunk.register_forward_pre_hook(functools.partial(self._chunk_pre_forward, c, roots[c]))
             chunk.register_forward_hook(functools.partial(self._chunk_post_forward, c, roots[c]))
@@ -166,6 +170,7 @@ class Stage3Params:
     def _chunk_pre_forward(self, c: int, roots: list[Unit], module, args) -> None:
         if self.sched.hold:
             return
+        self._probed = False
         self.sched.begin(FWD, c)
         for u in roots:
             self.sched.use(u)
@@ -185,12 +190,29 @@ class Stage3Params:
         for u in roots:
             self.sched.use(u)
 
+    def _pre_forward(self, unit: Unit, module, args) -> None:
+        if self.sched.phase == FWD and not self.sched.hold and not self._probed:  # the chunk's first block
+            self._probed = True
+            roots = self._roots[unit.chunk]
+            keys = {u.full.untyped_storage()._cdata for u in roots}
+            free = bool(roots) and not saves_storage(args, keys, self._saved_names)
+            self._roots_free[unit.chunk] = free and self._roots_free.get(unit.chunk, True)
+        self._use_block(unit)
+
+    def _use_block(self, unit: Unit) -> None:
+        """Gather a block for its forward or backward; once backward reaches the blocks, release the chunk's
+        own units if its forward saved none of them before its first block (module docstring)."""
+        if self.sched.phase == BWD and self._roots_free.get(unit.chunk):
+            for u in self._roots[unit.chunk]:
+                self.sched.release(u)
+        self.sched.use(unit)
+
     def _post_forward(self, unit: Unit, module, args, out):
         if self.sched.hold:
             return out
         grad = torch.is_grad_enabled()
         if grad:
-            out = self._attach(out, functools.partial(self.sched.use, unit))
+            out = self._attach(out, functools.partial(self._use_block, unit))
         self.sched.done_with(unit, reused=grad and self._in_backward)  # a recomputation: its backward is next
         return out
 
@@ -205,18 +227,23 @@ class Stage3Params:
     def _on_grad(self, unit: Unit, p: nn.Parameter) -> None:
         if p.grad is None:
             return
-        if unit.staging is None:
-            unit.staging = self._staging(unit)
         i = unit.index[p]
-        o, n = unit.layout.offsets[i], unit.layout.numels[i]
-        if unit.arrived[i]:  # a second gradient in one backward (a parameter used after its first backward)
-            unit.staging[o: o + n].add_(p.grad.reshape(-1))
-        else:  # the usual case: copy, so the staging buffer needs no zeroing
-            unit.staging[o: o + n].copy_(p.grad.reshape(-1))
-            unit.arrived[i] = True
-            unit.remaining -= 1
-        p.grad = None
         self._touched.add(unit.chunk)
+        if unit.is_root:  # gradients straggle over the whole backward: keep them as .grad until the last
+            if not unit.arrived[i]:
+                unit.arrived[i] = True
+                unit.remaining -= 1
+        else:
+            if unit.staging is None:
+                unit.staging = self._staging(unit)
+            o, n = unit.layout.offsets[i], unit.layout.numels[i]
+            if unit.arrived[i]:  # a second gradient in one backward (a parameter used after its first backward)
+                unit.staging[o: o + n].add_(p.grad.reshape(-1))
+            else:  # the usual case: copy, so the staging buffer needs no zeroing
+                unit.staging[o: o + n].copy_(p.grad.reshape(-1))
+                unit.arrived[i] = True
+                unit.remaining -= 1
+            p.grad = None
         if unit.remaining == 0 and not unit.reduced:
             self._reduce(unit)
 
@@ -226,11 +253,18 @@ class Stage3Params:
         self.sched.release(unit)
         if unit.staging is None:
             unit.staging = self._staging(unit)
-            unit.staging.zero_()
-        else:  # padding, and parameters that got no gradient in this backward, reduce zeros
-            for i, (o, n) in enumerate(zip(unit.layout.offsets, unit.layout.numels)):
+            if not unit.is_root:
+                unit.staging.zero_()
+        if unit.is_root or any(unit.arrived):  # padding, parameters without a gradient: zeros
+            for i, (p, o, n) in enumerate(zip(unit.params, unit.layout.offsets, unit.layout.numels)):
                 if not unit.arrived[i]:
                     unit.staging[o: o + n].zero_()
+                elif unit.is_root:  # the gradients kept as .grad (root units)
+                    if p.grad is None:
+                        unit.staging[o: o + n].zero_()
+                    else:
+                        unit.staging[o: o + n].copy_(p.grad.reshape(-1))
+                        p.grad = None
             unit.staging[unit.layout.numel:].zero_()
         flat, unit.staging = unit.staging, None
         lo, hi = unit.layout.shard_range(self.rank)
@@ -247,8 +281,18 @@ class Stage3Params:
         work, unit, flat = self._inflight.pop(0)
         work.wait()
         lo, hi = unit.layout.shard_range(self.rank)
-        unit.grad.add_(flat[lo:hi])
-        self._pool.setdefault(flat.numel(), []).append(flat)
+        if unit.grad_live:  # a later micro-batch: accumulate
+            unit.grad.add_(flat[lo:hi])
+        else:  # the step's first reduction of this unit allocates its owned gradient
+            self._materialise(unit).copy_(flat[lo:hi])
+        # keep the buffer for reuse only while a gathered unit of its size has gradients to come
+        if any(u.gathered and not u.reduced and u.numel == flat.numel() for u in self.units):
+            self._pool.setdefault(flat.numel(), []).append(flat)
+
+    def _materialise(self, unit: Unit) -> torch.Tensor:
+        unit.grad.untyped_storage().resize_(unit.grad.numel() * unit.grad.element_size())
+        unit.grad_live = True
+        return unit.grad
 
     def _held_staging(self) -> list[torch.Tensor]:
         return ([u.staging for u in self.units if u.staging is not None] + [f for _, _, f in self._inflight]
@@ -256,8 +300,11 @@ class Stage3Params:
 
     # -- the store interface the optimizer drives ----------------------------------------------------------
     def zero_grad(self) -> None:
-        """Zero the owned gradient partition."""
-        self.owned_grad.zero_()
+        """Free the owned gradient partition: each unit's part is allocated by its first reduction of the next
+        step (so a step's first backward holds only the parts reduced so far, like FSDP's sharded ``.grad``)."""
+        for unit in self.units:
+            unit.grad.untyped_storage().resize_(0)
+            unit.grad_live = False
         for store in self.persistent:
             if store is not None:
                 store.zero_grad()
@@ -296,7 +343,11 @@ class Stage3Params:
         self._pool.clear()
 
     def reduce_gradients(self) -> None:
-        """Nothing left to reduce at the boundary: stage 3 reduces during every backward."""
+        """Nothing left to reduce at the boundary (stage 3 reduces during every backward); owned gradients of
+        units no backward reached this step become zeros."""
+        for unit in self.units:
+            if not unit.grad_live:
+                self._materialise(unit).zero_()
 
     def after_step(self) -> None:
         """Gathered parameters need nothing (the next forward gathers them); persistent ones are all-gathered."""
@@ -340,7 +391,7 @@ class Stage3Params:
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The buffers this store holds right now, by model-state category (released units hold 0 bytes)."""
         params = [self.shard_flat] + [u.full for u in self.units]
-        grads = [self.owned_grad] + self._held_staging()
+        grads = [u.grad for u in self.units] + self._held_staging()
         comm: list[torch.Tensor] = []  # the persistent parameters' staging pools
         for store in self.persistent:
             if store is not None:

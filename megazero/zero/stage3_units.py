@@ -22,7 +22,7 @@ from torch import nn
 
 from megazero.zero.partition import FlatLayout
 
-__all__ = ["PreBackward", "Unit", "UnitSpec", "collect_units", "model_chunks"]
+__all__ = ["PreBackward", "Unit", "UnitSpec", "collect_units", "model_chunks", "saves_storage"]
 
 
 def _has_forward(module: nn.Module) -> bool:
@@ -101,6 +101,7 @@ class Unit:
         self.uid, self.name, self.module, self.chunk = uid, spec.name, spec.module, spec.chunk
         self.params, self.is_root, self.layout = spec.params, spec.is_root, layout
         self.shard, self.grad, self.full = shard, grad, full
+        self.grad_live = False  # ``grad`` holds this step's reduced gradient (else its storage is freed)
         self.numel = layout.padded_numel
         self.full_bytes = full.numel() * full.element_size()
         self.views = layout.views(full, [p.shape for p in self.params])
@@ -133,3 +134,47 @@ class PreBackward(torch.autograd.Function):
     def backward(ctx, grad):
         ctx.callback()
         return None, grad
+
+
+def saves_storage(tensors, storages: set[int], names: dict[type, list[str]], limit: int = 256) -> bool:
+    """Whether the autograd graph behind ``tensors`` saved, for its backward, a tensor on one of ``storages``
+    (``UntypedStorage._cdata`` keys): each node's ``_saved_*`` values, and a custom Function's saved tensors
+    and tensor attributes. Leaves (``AccumulateGrad``) are not entered. True too when it cannot tell (a node
+    whose saved values cannot be read, or more than ``limit`` nodes): the safe answer. ``names`` caches each
+    node type's saved-value attribute names (the caller keeps it).
+
+    ZeRO-3 asks it of the part of a chunk's forward before its first block: if nothing there saved a root
+    unit's parameters (GPT's embeddings save only the token ids), that unit is not needed once backward has
+    reached the blocks, and is released for the rest of backward.
+    """
+    nodes = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen: set[int] = set()
+    while nodes:
+        node = nodes.pop()
+        if node is None or id(node) in seen or type(node).__name__ == "AccumulateGrad":
+            continue
+        seen.add(id(node))
+        if len(seen) > limit:
+            return True
+        try:
+            values = _saved_values(node, names)
+        except Exception:  # noqa: BLE001 - freed or unreadable saved values: assume the worst
+            return True
+        for v in values:
+            if isinstance(v, torch.Tensor) and v.untyped_storage()._cdata in storages:
+                return True
+        nodes += [f for f, _ in node.next_functions]
+    return False
+
+
+def _saved_values(node, cache: dict[type, list[str]]) -> list:
+    if isinstance(node, torch.autograd.function.BackwardCFunction):  # a custom Function: its ctx
+        return list(node.saved_tensors) + list(vars(node).values())
+    names = cache.get(type(node))
+    if names is None:
+        names = cache[type(node)] = [n for n in dir(node) if n.startswith("_saved_")]
+    out = []
+    for n in names:
+        v = getattr(node, n)
+        out += list(v) if isinstance(v, (tuple, list)) else [v]
+    return out
