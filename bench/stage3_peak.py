@@ -45,9 +45,11 @@ def world(ctx, cache: str, persist: int, overlap: bool, recompute: bool) -> dict
                 del outs[k]
             else:
                 live += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
-        owned = store.owned_grad.untyped_storage().data_ptr()
+        # the owned partition: one flat buffer before 2026-11-23, one (lazily allocated) tensor per unit since
+        owned = {t.untyped_storage().data_ptr() for t in
+                 ([store.owned_grad] if hasattr(store, "owned_grad") else [u.grad for u in store.units])}
         held = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
-                for g in store.held_tensors()["grads"] if g is not None and g.untyped_storage().data_ptr() != owned}
+                for g in store.held_tensors()["grads"] if g is not None and g.untyped_storage().data_ptr() not in owned}
         peak["gathered"] = max(peak["gathered"], live)
         peak["grads"] = max(peak["grads"], sum(held.values()))
 
