@@ -11,6 +11,11 @@ The fake group is registered for the meta device only, so a CPU tensor that reac
 run as it would fail under NCCL ("No backend type associated with device type cpu"). Values the code reads
 back to the host go through :mod:`megazero.host`, which the dry run switches to placeholders (and counts).
 
+Offload (``--offload-optimizer``, ``--offload-param``, ``cpu_checkpointing``) runs too: host memory is emulated on
+meta (:class:`~megazero.host.PlaceholderHost`), so offloaded states are reported as host bytes
+(``offloaded_bytes``) and stay out of the device peak, and each host-to-device copy is a new device tensor, as
+on a GPU.
+
 Per role it reports the model states at rest (measured on the live tensors, as metrics.jsonl), the peak by
 category (:class:`~megazero.memory.PeakMemoryTracker`, the same tracker as metrics.jsonl), the ledger's volume
 per group, the pipeline bubble (:func:`~megazero.pipeline.schedules.simulate`) and a roofline step time
@@ -30,6 +35,7 @@ import torch.distributed as dist
 
 from megazero import host
 from megazero.config import Config
+from megazero.distributed import Group
 from megazero.engine import Engine
 from megazero.memory import PeakMemoryTracker, zero_buffers
 from megazero.model.kernels import emulate
@@ -52,7 +58,7 @@ class RoleResult:
     pp_rank: int
     tp_rank: int
     holds_vocab_padding: bool
-    states: dict[str, int]  # model states at rest after the step (metrics.jsonl's keys)
+    states: dict[str, int]  # model states at rest after the step (metrics.jsonl's keys; offloaded_bytes: host)
     peak_bytes: int
     peak_by_category: dict[str, int]
     volumes: dict[str, int]  # elements per step by group (tp, pp, dp, ...), the ledger's logical counts
@@ -78,6 +84,41 @@ class DryRunReport:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+class _HeldWork:
+    """The fake backend's work handle keeps no tensor; gloo's and NCCL's keep a collective's tensors allocated
+    until the handle is waited on and dropped (e.g. ZeRO-3's device copy of an offloaded shard lives until its
+    all-gather is waited on). This one keeps them as long as the dry run's code holds the handle."""
+
+    def __init__(self, work: Any, tensors: tuple[torch.Tensor, ...]) -> None:
+        self.work, self.tensors = work, tensors
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        return self.work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.work, name)
+
+
+class _DryGroup(Group):
+    """A :class:`~megazero.distributed.Group` on the fake backend whose asynchronous collectives and point-to-
+    point transfers hold their tensors like a real backend's (see :class:`_HeldWork`)."""
+
+    def all_reduce(self, tensor, op="sum", tag="other", async_op=False):
+        work = super().all_reduce(tensor, op, tag, async_op)
+        return _HeldWork(work, (tensor,)) if async_op else work
+
+    def all_gather_into(self, output, input, tag="other", async_op=False):
+        work = super().all_gather_into(output, input, tag, async_op)
+        return _HeldWork(work, (output, input)) if async_op else work
+
+    def reduce_scatter(self, output, input, op="sum", tag="other", async_op=False):
+        work = super().reduce_scatter(output, input, op, tag, async_op)
+        return _HeldWork(work, (output, input)) if async_op else work
+
+    def _issue_p2p(self, ops):
+        return [_HeldWork(w, (t,)) for w, (_kind, t, _peer, _tag) in zip(super()._issue_p2p(ops), ops)]
 
 
 def _padding_ranks(vocab: int, tp: int) -> list[bool]:
@@ -120,18 +161,21 @@ def run_role(cfg: Config, grid: RankGrid, rank: int, c: Cluster | None = None) -
     dist.init_process_group(DRY_BACKEND, store=FakeStore(), rank=rank, world_size=grid.world_size)
     try:
         device = torch.device("meta")
-        ctx = ParallelContext.from_grid(grid, device=device)  # Group checks every tensor against meta
+        ctx = ParallelContext.from_grid(grid, device=device, group_cls=_DryGroup)  # devices checked against meta
         p2p_log = record_p2p(ctx.pp_group) if grid.pp_size > 1 else None
-        with device:  # parameters are created without storage (no weights, no initialisation cost)
-            engine = Engine(cfg, ctx, device)
-        t = cfg.training
-        ids = torch.zeros(t.micro_batch_size, cfg.model.seq_len, dtype=torch.long)  # on the host, like collate
-        batch = [(ids, ids) for _ in range(t.gradient_accumulation_steps)]
-        tracker = PeakMemoryTracker(device, lambda: zero_buffers(engine.optimizer), engine.chunks)
-        with host.use(host.PlaceholderHost()) as reader, tracker:
-            engine.train_step(batch)
-        peak = tracker.result()
-        states = engine.optimizer.model_state_bytes()
+        # host reads give placeholders; offloaded states live in host memory emulated on meta
+        with host.use(host.PlaceholderHost()) as reader:
+            with device:  # parameters are created without storage (no weights, no initialisation cost)
+                engine = Engine(cfg, ctx, device)
+            t = cfg.training
+            ids = torch.zeros(t.micro_batch_size, cfg.model.seq_len, dtype=torch.long)  # on the host, like collate
+            batch = [(ids, ids) for _ in range(t.gradient_accumulation_steps)]
+            tracker = PeakMemoryTracker(device, lambda: zero_buffers(engine.optimizer), engine.chunks)
+            reader.reads = 0  # count the step's reads only
+            with tracker:
+                engine.train_step(batch)
+            peak = tracker.result()
+            states = engine.optimizer.model_state_bytes()
         breakdown = ctx.ledger.last_step()
         result = RoleResult(
             rank=rank, pp_rank=ctx.pp_rank, tp_rank=ctx.tp_rank, holds_vocab_padding=False, states=states,
@@ -174,10 +218,6 @@ def dry_run(cfg: Config, c: Cluster, log_dir: str | None = None, device_type: st
     start = time.perf_counter()
     p, m, t = cfg.parallel, cfg.model, cfg.training
     step_cfg = replace(cfg, training=replace(t, compile=False))  # nothing to compile for on meta
-    if cfg.zero.offload_optimizer or cfg.zero.offload_param:
-        raise ValueError("--dry-run does not support --offload-optimizer/--offload-param yet (their host buffers "
-                         "would copy from meta tensors); dry-run without offload, or estimate offload with "
-                         "tools/estimate_memory.py")
     grid = RankGrid(p.tp_size * p.pp_size * p.dp_size, p.tp_size, p.pp_size, p.dp_size)
     roles = []
     for rank, padded in rank_roles(grid, m.vocab_size):
@@ -229,8 +269,8 @@ def format_report(r: DryRunReport) -> str:
     big = max([x.peak_bytes for x in r.roles] + [1])
     unit, gb = ("GB", 1e9) if big >= 1e9 else ("MB", 1e6)
     tp = r.topology
-    head = ["rank", "pp", "tp", "pad", f"states {unit}", f"peak {unit}", "params", "grads", "master", "optim", "acts",
-            "comm", "other", "TP Melem", "PP Melem", "DP Melem", "reads", "step s", "dry s"]
+    head = ["rank", "pp", "tp", "pad", f"states {unit}", f"host {unit}", f"peak {unit}", "params", "grads", "master",
+            "optim", "acts", "comm", "other", "TP Melem", "PP Melem", "DP Melem", "reads", "step s", "dry s"]
     rows = []
     for x in r.roles:
         s = x.states
@@ -238,7 +278,7 @@ def format_report(r: DryRunReport) -> str:
         states = sum(s.get(k, 0) for k in ("params_bytes", "grads_bytes", "master_params_bytes",
                                            "optimizer_states_bytes")) - s.get("offloaded_bytes", 0)
         rows.append([str(x.rank), str(x.pp_rank), str(x.tp_rank), "y" if x.holds_vocab_padding else "-",
-                     f"{states / gb:.2f}", f"{x.peak_bytes / gb:.2f}",
+                     f"{states / gb:.2f}", f"{s.get('offloaded_bytes', 0) / gb:.2f}", f"{x.peak_bytes / gb:.2f}",
                      *(f"{c.get(k, 0) / gb:.2f}" for k in ("params", "grads", "master_params", "optimizer_states",
                                                           "activations", "comm_buffers", "other")),
                      *(f"{x.volumes.get(g, 0) / 1e6:.1f}" for g in ("tp", "pp", "dp")), str(x.host_reads),
@@ -251,7 +291,8 @@ def format_report(r: DryRunReport) -> str:
     lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in [head, *rows]]
     lines += ["", f"pipeline bubble: {r.bubble_fraction:.1%} of compute (simulated schedule)",
               f"NCCL-order replay of the pipeline's point-to-point calls: {r.p2p_replay}",
-              "peak: live tensors by category at the step's peak (the tracker of metrics.jsonl); Melem: elements"
+              "states: model states on the device at rest; host: offloaded states in host memory; peak: live "
+              "device tensors by category at the step's peak (the tracker of metrics.jsonl); Melem: elements"
               " per step as the ledger counts them (all-reduce 2n); step s: roofline estimate on "
               f"{tp['gpus_per_node']}-GPU nodes of {r.gpu}",
               f"kernels as on {tp.get('device_type', 'cuda')} (fused attention and dropout on cuda)"

@@ -27,7 +27,8 @@ The category of a storage is decided at the moment of a new peak, from the buffe
 callable returning ``{category: tensors}``, e.g. :func:`zero_buffers`), then from where it was allocated.
 The tracker counts storages that exist when it starts only if they are listed there (the model states);
 everything allocated while it runs is counted. Only tensors on ``device`` count (on a GPU run, host-side
-pinned buffers of offload are left out); meta tensors count only on a meta tracker (the dry run).
+pinned buffers of offload are left out, and so is the host memory a :class:`~megazero.host.EmulatedHost`
+stands in on the device); meta tensors count only on a meta tracker (the dry run).
 
 Unlike ``torch.distributed._tools.mem_tracker.MemTracker`` it does not track per module, so a module may run
 several forwards in one step (gradient accumulation, pipelining, recomputation). Cost: one Python call per
@@ -44,6 +45,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from megazero import host
 
 __all__ = ["CATEGORIES", "PeakMemoryTracker", "StepPeak", "zero_buffers"]
 
@@ -130,6 +133,8 @@ class PeakMemoryTracker(TorchDispatchMode):
     # -- bookkeeping ---------------------------------------------------------------------------------------
     def _counts(self, st: torch.UntypedStorage) -> bool:
         dev = st.device
+        if host.emulated(st):  # host memory standing in on this device (megazero.host.EmulatedHost)
+            return False
         return dev.type == self.device.type and (dev.index is None or self.device.index is None
                                                   or dev.index == self.device.index)
 

@@ -107,14 +107,15 @@ def gather_partition(part: torch.Tensor, group: Group, shape: torch.Size) -> tor
 
 def _to_host(x: torch.Tensor) -> torch.Tensor:
     """A copy of ``x`` in (pinned, where CUDA exists) host memory; a real copy even when ``x`` is on the CPU."""
-    host = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=torch.cuda.is_available())
-    host.copy_(x, non_blocking=x.device.type == "cuda")
-    return host
+    kept = host.empty(x.numel(), x.dtype, pin=torch.cuda.is_available()).view(x.shape)
+    kept.copy_(x, non_blocking=x.device.type == "cuda")
+    return kept
 
 
 def _rng_state(device: torch.device, tracker: RNGTracker | None) -> tuple[Any, ...]:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda, None if tracker is None else tracker.state.clone()
+    with host.on_host():  # RNG states are CPU tensors (host memory on a GPU)
+        cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        return torch.get_rng_state(), cuda, None if tracker is None else tracker.state.clone()
 
 
 def _set_rng_state(state: tuple[Any, ...], device: torch.device, tracker: RNGTracker | None) -> None:
@@ -166,15 +167,15 @@ class _CheckpointFunction(torch.autograd.Function):
         stored, on_device = [], []
         for x, part in zip(inputs, partition):
             keep = partition_tensor(x, group) if part and split else x.detach()
-            host = None
+            host_copy = None
             if options.cpu:
-                host = _to_host(keep)
-                nbytes = host.untyped_storage().nbytes()
+                host_copy = _to_host(keep)
+                nbytes = host_copy.untyped_storage().nbytes()
                 options.stats._hold(nbytes)
-                weakref.finalize(host, options.stats._release, nbytes)
+                weakref.finalize(host_copy, options.stats._release, nbytes)
             else:
                 on_device.append(keep)
-            stored.append(_Stored(x, part and split, host))
+            stored.append(_Stored(x, part and split, host_copy))
         ctx.stored = stored
         ctx.save_for_backward(*on_device)  # what stays on the device: seen by saved-tensor hooks
         return outputs
@@ -185,7 +186,7 @@ class _CheckpointFunction(torch.autograd.Function):
         kept = iter(ctx.saved_tensors)
         inputs = []
         for s in ctx.stored:
-            x = next(kept) if s.host is None else s.host.to(s.device, non_blocking=True)
+            x = next(kept) if s.host is None else host.to_device(s.host, s.device)
             s.host = None  # the host copy is free once it is back on the device
             if s.partitioned:
                 x = gather_partition(x, options.tp_group, s.shape)

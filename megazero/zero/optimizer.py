@@ -202,11 +202,17 @@ class ZeroOptimizer:
             self._starts.append(self._starts[-1] + s.param.numel())
         self.owned_numel = self._starts[-1]
         self.offload = self.cfg.offload_optimizer == "cpu"
-        pin = self.offload and self.cfg.offload_optimizer_pin_memory and torch.cuda.is_available()
-        device = torch.device("cpu") if self.offload else segs[0].param.device  # where optimizer states live
+        self._pin = self.offload and self.cfg.offload_optimizer_pin_memory and torch.cuda.is_available()
+        device = segs[0].param.device
+
+        def fp32(zero: bool) -> torch.Tensor:  # an owned-size fp32 state, in host memory under offload
+            if self.offload:
+                return (host.zeros if zero else host.empty)(self.owned_numel, torch.float32, self._pin)
+            return (torch.zeros if zero else torch.empty)(self.owned_numel, dtype=torch.float32, device=device)
+
         self.mixed = self.dtype != torch.float32
         if self.mixed or self.offload:  # an fp32 master copy of the owned partition (from the fp32 model)
-            self.master = torch.empty(self.owned_numel, dtype=torch.float32, device=device, pin_memory=pin)
+            self.master = fp32(zero=False)
             for s, a in zip(segs, self._starts):
                 self.master[a: a + s.param.numel()].copy_(s.init if s.init is not None else s.param)
                 s.init = None
@@ -221,8 +227,8 @@ class ZeroOptimizer:
                                         _extend(prev[2], s.param.numel()))
                 else:
                     self._pieces.append((a, a + s.param.numel(), s.param))
-        self.exp_avg = torch.zeros(self.owned_numel, dtype=torch.float32, device=device, pin_memory=pin)
-        self.exp_avg_sq = torch.zeros(self.owned_numel, dtype=torch.float32, device=device, pin_memory=pin)
+        self.exp_avg = fp32(zero=True)
+        self.exp_avg_sq = fp32(zero=True)
         self._decay_runs = _runs(segs, self._starts, lambda p: p.ndim >= 2)  # runs never span two segments
         self._norm_runs = _runs(segs, self._starts, lambda p: self.norm_counted.get(p, True))
 
@@ -260,12 +266,11 @@ class ZeroOptimizer:
         if not self.offload:
             return OwnedGrads([(a, s.grad) for s, a in zip(segs, self._starts)])
         if self._host_grads is None:
-            self._host_grads = torch.empty(self.owned_numel, dtype=torch.float32, device=self.exp_avg.device,
-                                           pin_memory=self.exp_avg.is_pinned())
+            self._host_grads = host.empty(self.owned_numel, torch.float32, self._pin)
         g = self._host_grads
         for s, a in zip(segs, self._starts):
             g[a: a + s.grad.numel()].copy_(s.grad, non_blocking=True)
-        if g.is_pinned():
+        if self._pin:
             torch.cuda.current_stream().synchronize()  # device-to-host copies done before Adam reads them
         return OwnedGrads([(0, g)])
 
@@ -474,8 +479,8 @@ class ZeroOptimizer:
                  "optimizer_states_bytes": [self.exp_avg, self.exp_avg_sq]}
         out = {k: storage_bytes(ts, seen) for k, ts in kinds.items()}
         tensors = [t for ts in kinds.values() for t in ts if t is not None and t.untyped_storage().nbytes()]
-        on_accelerator = any(t.device.type != "cpu" for t in tensors)
-        out["offloaded_bytes"] = storage_bytes([t for t in tensors if t.device.type == "cpu"]) if on_accelerator else 0
+        on_accelerator = any(not host.is_host(t) for t in tensors)
+        out["offloaded_bytes"] = storage_bytes([t for t in tensors if host.is_host(t)]) if on_accelerator else 0
         out["comm_buffers_bytes"] = storage_bytes(held.get("comm", []), seen)
         return out
 

@@ -47,6 +47,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from megazero import host
 from megazero.config import ZeroConfig
 from megazero.distributed import Group
 from megazero.zero.partition import BucketedParams, FlatLayout, OwnedSegment, set_data
@@ -96,9 +97,8 @@ class Stage3Params:
         layouts = [FlatLayout([p.numel() for p in s.params], dp_group.size, align) for s in specs]
         total = sum(lay.shard_numel for lay in layouts)
         self.offload_param = offload_param
-        host = torch.device("cpu") if offload_param else self.device
-        pin = offload_param and torch.cuda.is_available()
-        self.shard_flat = torch.empty(total, dtype=dtype, device=host, pin_memory=pin)
+        self.shard_flat = (host.empty(total, dtype, pin=torch.cuda.is_available()) if offload_param
+                           else torch.empty(total, dtype=dtype, device=self.device))
         self._placeholder = torch.full((1,), float("nan"), dtype=dtype, device=self.device)
         self.units: list[Unit] = []
         off = 0

@@ -134,7 +134,7 @@ class GatherScheduler:
         unit.gathered = True
         self.live += unit.numel
         self.peak_live = max(self.peak_live, self.live)
-        shard = unit.shard.to(self.device, non_blocking=True)  # from host memory with offload_param
+        shard = host.to_device(unit.shard, self.device)  # from host memory with offload_param
         unit.work = self.dp_group.all_gather_into(unit.full, shard, tag="param", async_op=True)
 
     def done_with(self, unit: Unit, reused: bool) -> None:
