@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
         "memory and step on the CPU (ZeRO-Offload; stages 1-3)", action="store_const", const="cpu")
     add(g, "--offload-param", "zero.offload_param", "keep ZeRO-3 parameter shards in host memory",
         action="store_const", const="cpu")
+    add(g, "--reduce-bucket-size", "zero.reduce_bucket_size", "ZeRO 0-2: elements per gradient bucket "
+        "(zero_optimization.reduce_bucket_size; None: derived from the model, ZeroConfig.bucket_numel)", type=int)
     add(g, "--max-inflight-buckets", "zero.max_inflight_buckets", "ZeRO-2: most gradient buckets being filled or "
         "reduced at once during backward; each holds one bucket (reduce_bucket_size) in --grad-dtype", type=int)
     add(g, "--grad-dtype", "zero.grad_dtype", "dtype gradients are accumulated over micro-batches and reduced over "

@@ -32,7 +32,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megazero.config import ModelConfig
+from megazero.config import ModelConfig, ZeroConfig
 
 __all__ = [
     "ELEMENT_BYTES",
@@ -362,7 +362,7 @@ class PeakEstimate:
     comm_buffers: float  # gradient staging buckets (stage 2, stage 3's persistent parameters)
     transient: float  # what backward allocates on top at its peak: recomputation, fresh gradients; stage 3:
     # gathered units and a block's gradient staging
-    optimizer_transient: float = 0.0  # what the optimizer step allocates on top of the states and buffers
+    optimizer_transient: float = 0.0  # on top of the states and buffers once activations are freed
     released: float = 0.0  # of the above, not live at the backward peak (stage 3; see peak_bytes)
 
     @property
@@ -372,7 +372,7 @@ class PeakEstimate:
 
     @property
     def optimizer_step(self) -> float:
-        """The peak during the optimizer step (activations freed)."""
+        """The peak once the activations are freed: the end of backward and the optimizer step."""
         return self.model_states + self.comm_buffers + self.optimizer_transient
 
     @property
@@ -384,8 +384,8 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
                pp_size: int = 1, pp_rank: int = 0, precision: str = "bf16", checkpointing: str = "none",
                sequence_parallel: bool = False, micro_batches: int = 1, schedule: str = "1f1b",
                offload_optimizer: bool = False, offload_param: bool = False, host_counts: bool = False,
-               persistence_threshold: int = 100_000, bucket_numel: int = 500_000_000, overlap_comm: bool = False,
-               fused_attention: bool = True, mask_bytes: int = 1) -> PeakEstimate:
+               persistence_threshold: int = 100_000, bucket_numel: int | None = None, overlap_comm: bool = False,
+               max_inflight: int = 2, fused_attention: bool = True, mask_bytes: int = 1) -> PeakEstimate:
     """The peak of one training step on one rank: the larger of the peak where backward begins on the stashed
     micro-batches and the peak of the optimizer step.
 
@@ -393,15 +393,19 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
       where host and device are one memory);
     * activations: :func:`activation_bytes` times :func:`in_flight_micro_batches`;
     * communication buffers (stages 2-3, as ``megazero/zero`` holds them): the gradient staging buckets of
-      stage 2 and of stage 3's persistent parameters, ``e·min(bucket, Ψ)`` (all of Ψ with ``overlap_comm``,
-      whose buckets stay in flight to the end of backward); stage 3: see below;
+      stage 2 and of stage 3's persistent parameters, ``e·min(bucket, Ψ)`` per buffer: one without
+      ``overlap_comm`` (each reduction completes before the next bucket opens), ``max_inflight`` with it.
+      ``bucket_numel`` None is :meth:`ZeroConfig.bucket_numel <megazero.config.ZeroConfig.bucket_numel>`'s
+      default for this rank's Ψ (stage 2: Ψ/(16·max_inflight)); stage 3: see below;
     * transients: one layer's recomputation (:func:`recompute_bytes`) and the fresh gradient autograd makes
       before it is accumulated -- of the largest parameter (on the last stage the tied embedding, whose
       gradient the LM head's backward produces first) -- plus the gradient of the LM head's input, ``e·sbh``
       (before the last pipeline stage: the gradient received and the output sent, ``2e·sbh``);
-    * the optimizer step: the states, the buffers above and three model-dtype tensors the size of the largest
-      parameter (measured on a 50M-parameter GPT at stages 0-3 in fp32 and bf16, where it sets the peak;
-      not yet traced to the operators that allocate them).
+    * once activations are freed (stages 0-2): the states, the buffers above and three model-dtype tensors the
+      size of the largest parameter. On a GPT that is the tied embedding at the end of backward: the LM head's
+      weight gradient (``mm``), the lookup's (``embedding_dense_backward``) and autograd's out-of-place sum of
+      the two (``add``), before it is accumulated (traced on a 50M-parameter GPT, where it sets the peak, in
+      DDP too).
 
     An upper bound where the peak of a phase does not coincide with the others' (the staging buckets fill as
     activations are freed).
@@ -434,7 +438,10 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
     if stage >= 2:
         whole = [n for n in sizes if stage == 2 or n <= persistence_threshold]  # staged in buckets
         psi_w = sum(whole)
-        comm = eg * (psi_w if overlap_comm else min(bucket_numel, psi_w))
+        if bucket_numel is None:
+            bucket_numel = ZeroConfig(stage=stage, max_inflight_buckets=max_inflight).bucket_numel(int(psi_w), dp_size)
+        buffers = min(max_inflight, math.ceil(psi_w / bucket_numel)) if overlap_comm else 1
+        comm = eg * min(bucket_numel, psi_w) * buffers
     s, h = model.seq_len, model.hidden_size
     sp = tp_size if sequence_parallel and tp_size > 1 else 1
     # the LM head input's gradient (last stage), or the gradient received from the next stage (the others)

@@ -168,7 +168,8 @@ def test_measured_peak_matches_the_estimate(data_cache):
                                  pp_rank=pp_rank, precision=t.precision, checkpointing=recompute,
                                  micro_batches=t.gradient_accumulation_steps, offload_optimizer=offload,
                                  host_counts=True, persistence_threshold=z.stage3_param_persistence_threshold,
-                                 bucket_numel=min(z.reduce_bucket_size, z.allgather_bucket_size),
+                                 bucket_numel=None if z.reduce_bucket_size is None else min(
+                                     z.reduce_bucket_size, z.allgather_bucket_size), max_inflight=z.max_inflight_buckets,
                                  overlap_comm=z.overlap_comm, fused_attention=True, mask_bytes=4)
                 diff = got["peak_bytes"] - est.total
                 # the estimate adds the staging buckets to the stash at the start of backward; where they
@@ -182,3 +183,47 @@ def test_measured_peak_matches_the_estimate(data_cache):
                              + ("" if ok else "  <-- outside"))
     print("\n" + "\n".join(lines))
     assert not bad, "\n".join(lines)
+
+
+def _default_bucket_peak(ctx, stage: int) -> tuple[dict, int]:
+    """A tracked step at ``stage`` with the default buckets on a 36M-parameter MLP (above the 2^20-element
+    bucket floor, so stage 2's staging pool follows Ψ/16): the peak by category and the rank's Ψ."""
+    from megazero.config import OptimizerConfig, ZeroConfig
+    from megazero.memory import zero_buffers
+    from megazero.zero import ZeroOptimizer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(3000, 3000, bias=False) for _ in range(4)])
+    opt = ZeroOptimizer(model, ZeroConfig(stage=stage), OptimizerConfig(), ctx.dp_group)
+    x = torch.randn(2, 3000)
+
+    def step():
+        opt.zero_grad()
+        opt.backward(model(x).square().mean())
+        opt.step(1e-3)
+
+    step()
+    tracker = PeakMemoryTracker("cpu", lambda: zero_buffers(opt), [model])
+    with tracker:
+        step()
+    return tracker.result(), sum(p.numel() for p in model.parameters())
+
+
+def _default_bucket_peaks(ctx) -> dict:
+    return {stage: _default_bucket_peak(ctx, stage) for stage in (1, 2)}
+
+
+def test_stage2_default_buckets_keep_its_peak_below_stage1():
+    """Issue 13 item 6 at a size where the default bucket matters (dp 2, fp32, Ψ = 36M): stage 2's gradient
+    staging at the peak is at most Ψ/16 elements, its model-state part (params, grads, optimizer states, staging)
+    within 10% of the formula 4Ψ + 12Ψ/Nd, and its peak below stage 1's."""
+    from tests.dist import run_world
+
+    for got in run_world(_default_bucket_peaks, 2, timeout=300):
+        (s1, psi), (s2, _) = got[1], got[2]
+        comm = s2["peak_by_category"]["comm_buffers"]
+        assert 0 < comm <= 4 * psi / 16, (comm, psi)
+        states = sum(s2["peak_by_category"][k] for k in ("params", "grads", "master_params", "optimizer_states"))
+        formula = 4 * psi + 12 * psi / 2
+        assert abs(states + comm - formula) <= 0.1 * formula, (states, comm, formula)
+        assert s2["peak_bytes"] < s1["peak_bytes"], (s2["peak_bytes"], s1["peak_bytes"])

@@ -351,6 +351,34 @@ def grad_flow_check(ctx) -> dict:
     return out
 
 
+def unused_grad_check(ctx) -> dict:
+    """Stages 0-2 (fp32, bf16; 1 and 2 micro-batches), buckets of 64 elements mixing two layers: step 1 uses
+    both layers, step 2 only ``a``. Per setting, whether after step 2's reduction ``b``'s owned gradient is
+    exactly zero (no stale gradient of step 1, no leftover staging) and ``a``'s is not."""
+    out = {}
+    for stage in (0, 1, 2):
+        for precision in ("fp32", "bf16"):
+            for m in (1, 2):
+                torch.manual_seed(0)
+                model = nn.ModuleDict({"a": nn.Linear(8, 40), "b": nn.Linear(8, 40)})
+                zero = ZeroConfig(stage=stage, reduce_bucket_size=64, overlap_comm=stage == 2)
+                opt = ZeroOptimizer(model, zero, OPT, ctx.dp_group, precision=precision)
+                x = torch.randn(4, 8, dtype=opt.dtype)
+                for layers in (("a", "b"), ("a",)):
+                    opt.zero_grad(micro_batches=m)
+                    for xm in x.chunk(m):
+                        opt.backward(sum(model[k](xm).float().square().sum() for k in layers))
+                    sq = opt.prepare_step()
+                    unused = {id(p) for p in model["b"].parameters()} if layers == ("a",) else set()
+                    zeros = [bool((seg.grad[a:b] == 0).all()) for seg in opt.store.segments
+                             for p, a, b in seg.pieces if id(p) in unused]
+                    used = [bool((seg.grad[a:b] != 0).any()) for seg in opt.store.segments
+                            for p, a, b in seg.pieces if id(p) not in unused]
+                    opt.finish_step(1e-3, float(sq))
+                out[(stage, precision, m)] = (len(zeros) > 0 and all(zeros), all(used))
+    return out
+
+
 def zero_world(ctx, extras: bool = False, memory: bool = False) -> dict:
     out = {run.name: train(ctx, run) for run in FP32_RUNS + BF16_RUNS}
     if extras:
@@ -365,6 +393,7 @@ def zero_world(ctx, extras: bool = False, memory: bool = False) -> dict:
         out["nan-stuck"] = train(ctx, Run("nan-stuck", 2, steps=len(STUCK_STEPS)), inject=STUCK_STEPS,
                                  inject_value=float("nan"), opt_cfg=replace(OPT, max_skipped_steps=3))
         out.update(grad_flow_check(ctx))
+        out["unused-grads"] = unused_grad_check(ctx)
         out["s3-release"] = stage3_release_check(ctx)
         out["order-error"] = order_mismatch(ctx)  # last: the ranks' stage-3 state is abandoned after it
     if memory:
@@ -519,8 +548,9 @@ def test_consecutive_nonfinite_steps_stop_every_rank(world2) -> None:
 
 
 def test_stage2_bounds_gradients_in_flight_and_reuses_its_buffers(world2) -> None:
-    """Issue 13 item 1, measured at dp 2 with buckets of 1500 elements and max_inflight_buckets 2: stage 2
-    reduces during every backward pass before its last gradient arrives, the elements handed to gradient
+    """Issue 13 item 1, measured at dp 2 with buckets of 1500 elements and max_inflight_buckets 2: no bucket is
+    larger, even where a parameter is (buckets cut it), stage 2 reduces during every backward pass before its
+    last gradient arrives, the elements handed to gradient
     collectives not yet waited on never exceed 2 buckets (not Ψ), live gradient storage during backward stays
     below the owned partition + 2 staging buckets + two parameters' gradients (the full unreduced gradient
     never exists), and the staging pool and the gradients the step reads keep their addresses across steps."""
@@ -529,6 +559,7 @@ def test_stage2_bounds_gradients_in_flight_and_reuses_its_buffers(world2) -> Non
             got = res[name]
             psi, bucket, e = got["psi"], got["largest_bucket"], got["grad_elem"]
             assert got["buckets"] >= 10 and e == 4
+            assert got["largest_bucket"] <= 1500 < got["largest_param"]  # buckets cut the parameters they bound
             assert all(n > 0 for n in got["issued_in_pass"]), got["issued_in_pass"]
             assert 0 < got["inflight_peak"] <= 2 * bucket < psi / 3, (got["inflight_peak"], bucket, psi)
             bound = got["grad_bytes"] + e * 2 * bucket + 2 * 4 * got["largest_param"]
@@ -537,6 +568,14 @@ def test_stage2_bounds_gradients_in_flight_and_reuses_its_buffers(world2) -> Non
             assert got["step_grads"] == [got["step_grads"][0]] * 3
             assert {s for _, s, dt in got["step_grads"][0]} == set(got["grad_storages"])  # the store's own buffer
             assert {dt for _, _, dt in got["step_grads"][0]} == {"torch.float32"}
+
+
+def test_a_parameter_without_gradient_reduces_zeros_not_last_steps(world2) -> None:
+    """Gradient buffers are overwritten by each step's first gradient rather than zeroed: a parameter that gets
+    no gradient in a step (and a bucket reduced before all its gradients arrived) must still reduce zeros."""
+    for res in world2:
+        for key, (unused_zero, used_set) in res["unused-grads"].items():
+            assert unused_zero and used_set, key
 
 
 def test_stages_0_1_reduce_during_the_last_micro_batch_into_persistent_buffers(world2) -> None:

@@ -48,10 +48,41 @@ def test_flat_layout_pads_to_equal_aligned_shards_and_params_straddle() -> None:
     assert FlatLayout([], 2, 8).padded_numel == 16  # empty layouts still give every rank an aligned slice
 
 
-def test_build_buckets_bounds_size_and_keeps_order() -> None:
-    assert build_buckets([5, 5, 5, 20, 1], 10) == [[0, 1], [2], [3], [4]]
-    assert build_buckets([5, 5, 5], 0) == [[0, 1, 2]]
+def test_build_buckets_fills_each_bucket_and_cuts_tensors() -> None:
+    """Buckets are full (a tensor that does not fit is cut and continues in the next), keep the order, and end
+    early only at a key change or around an isolated tensor; the size is rounded down to ``multiple``."""
+    assert build_buckets([5, 5, 5, 20, 1], 10) == [
+        [(0, 0, 5), (1, 0, 5)], [(2, 0, 5), (3, 0, 5)], [(3, 5, 10)], [(3, 15, 5), (4, 0, 1)]]
+    assert build_buckets([5, 5, 5], 0) == [[(0, 0, 5), (1, 0, 5), (2, 0, 5)]]
     assert build_buckets([], 10) == []
+    assert build_buckets([7, 9], 10, multiple=4) == [[(0, 0, 7), (1, 0, 1)], [(1, 1, 8)]]  # full at 8
+    assert build_buckets([3, 12, 3], 5, isolate=[False, True, False]) == [
+        [(0, 0, 3)], [(1, 0, 5)], [(1, 5, 5)], [(1, 10, 2)], [(2, 0, 3)]]
+    assert build_buckets([3, 3, 3], 100, keys=[0, 0, 1]) == [[(0, 0, 3), (1, 0, 3)], [(2, 0, 3)]]
+
+
+def test_bucket_numel_auto_and_explicit() -> None:
+    """reduce_bucket_size unset: Megatron-LM's max(40M, 1M x dp) at stages 0-1, at stage 2 a staging pool of
+    max_inflight_buckets buckets of at most Ψ/16 elements (at least 2^20 per bucket), DeepSpeed's 5e8 at stage 3;
+    a value set in the config (CLI or DeepSpeed JSON) is used as given (capped by allgather_bucket_size)."""
+    from megazero.config import ZeroConfig
+
+    psi = 50_417_664
+    assert ZeroConfig(stage=0).bucket_numel(psi, 4) == ZeroConfig(stage=1).bucket_numel(psi, 4) == 40_000_000
+    assert ZeroConfig(stage=1).bucket_numel(psi, 64) == 64_000_000
+    assert ZeroConfig(stage=2).bucket_numel(psi, 4) == -(-psi // 32)
+    assert 2 * ZeroConfig(stage=2).bucket_numel(psi, 4) <= psi / 16 + 2
+    assert ZeroConfig(stage=2, max_inflight_buckets=4).bucket_numel(4 * psi, 4) == -(-psi // 16)
+    assert ZeroConfig(stage=2).bucket_numel(10**6, 4) == 1 << 20
+    assert ZeroConfig(stage=2).bucket_numel(10**11, 4) == 40_000_000
+    assert ZeroConfig(stage=3).bucket_numel(psi, 4) == 500_000_000
+    from megazero.cli import parse_args
+
+    assert parse_args([]).resolve(1).zero.reduce_bucket_size is None
+    assert parse_args(["--reduce-bucket-size", "3000"]).resolve(1).zero.reduce_bucket_size == 3000
+    for stage in range(4):
+        assert ZeroConfig(stage=stage, reduce_bucket_size=500_000_000).bucket_numel(psi, 4) == 500_000_000
+        assert ZeroConfig(stage=stage, reduce_bucket_size=3000, allgather_bucket_size=2000).bucket_numel(psi, 4) == 2000
 
 
 def test_dynamic_loss_scaler_follows_deepspeed() -> None:

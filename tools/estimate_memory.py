@@ -220,8 +220,10 @@ def estimate(args: argparse.Namespace) -> str:
         notes.append("host: the part of the model states offloaded to CPU memory (not in the device totals).")
     notes.append("step peak: the larger of the peak as backward begins (model states + activations in flight + "
                  "gradient staging buckets / ZeRO-3 gathered units + recomputation and fresh-gradient transients) "
-                 "and the optimizer step's (megazero.estimate.peak_bytes); metrics.jsonl's memory[r].peak_bytes "
-                 "measures it (megazero/memory.py), default ZeroConfig buckets, no overlap_comm.")
+                 "and the peak once activations are freed (end of backward: the tied embedding's gradient sum; "
+                 "optimizer step) (megazero.estimate.peak_bytes); metrics.jsonl's memory[r].peak_bytes measures it "
+                 "(megazero/memory.py); default ZeroConfig buckets (stage 2: Ψ/32 elements, one staging buffer "
+                 "without overlap_comm), no overlap_comm.")
     notes.append("not counted (except in step peak): flat-buffer padding (< dp*16 elements per buffer), gradient staging buckets, "
                  "communication buffers, the CUDA context and allocator fragmentation.")
     lines += [f"  {i + 1}. {n}" for i, n in enumerate(notes)]

@@ -19,8 +19,10 @@ stage   partitioned                            gradient policy with m micro-batc
 
 Ψ is this rank's parameter count (its TP shard of its pipeline stage), up to padding to equal aligned slices.
 With ``reduce_scatter`` False, each reduce-scatter above becomes an all-reduce (2Ψ instead of Ψ).
-Buckets hold at most ``min(reduce_bucket_size, allgather_bucket_size)`` elements (stages 0-2 and stage 3's
-persistent parameters; stage 3 coalesces ready units' gradients up to ``reduce_bucket_size``).
+Buckets hold :meth:`ZeroConfig.bucket_numel <megazero.config.ZeroConfig.bucket_numel>` elements (stages 0-2
+and stage 3's persistent parameters): ``min(reduce_bucket_size, allgather_bucket_size)`` when set, else derived
+from this rank's Ψ (stage 2: a staging pool of at most Ψ/16 elements; agreed over ``tied_group``, so both
+copies of a tied embedding are cut alike).
 ``overlap_comm`` makes the in-backward reductions of stages 2-3 asynchronous, waited on at the end of each
 backward; stages 0-1 reduce at the boundary (all buckets issued at once, then waited on).
 ``contiguous_gradients`` is always in effect: owned gradients live in one contiguous buffer.
@@ -53,7 +55,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -162,11 +164,17 @@ class ZeroOptimizer:
         # the model chunks of an interleaved pipeline: a backward reduces only the chunk that ran
         chunks = [[p for p in c.parameters() if p.requires_grad] for c in model] \
             if isinstance(model, nn.ModuleList) else None
-        bucket = min(zero_cfg.reduce_bucket_size, zero_cfg.allgather_bucket_size)
+        bucket = zero_cfg.bucket_numel(sum(p.numel() for p in self.params), dp_group.size)
+        if (zero_cfg.reduce_bucket_size is None and tied_group is not None and tied_group.size > 1
+                and tied_group.device.type != "meta"):  # the dry run (meta) keeps its own: nothing to read back
+            agreed = torch.tensor([bucket], dtype=torch.int64, device=tied_group.device)
+            tied_group.all_reduce(agreed, op="min", tag="other")  # the tied copies' stages hold different Ψ
+            bucket = int(host.read(agreed)[0])
         if zero_cfg.stage == 3:
             from megazero.zero.stage3 import Stage3Params
 
-            self.store = Stage3Params(model, self.dtype, dp_group, zero_cfg, align=align, isolate=tied_params,
+            self.store = Stage3Params(model, self.dtype, dp_group, replace(zero_cfg, reduce_bucket_size=bucket),
+                                      align=align, isolate=tied_params,
                                       offload_param=zero_cfg.offload_param == "cpu", param_init=param_init,
                                       device=device, grad_dtype=self.grad_dtype)
         else:
@@ -494,8 +502,8 @@ class ZeroOptimizer:
 
         ``offset`` is where the run starts in the flattened parameter as this rank holds it (its TP shard,
         vocab padding included); ``views`` are live 1-D views of the run's fp32 ``master`` value (the
-        parameter itself in fp32 runs), ``exp_avg`` and ``exp_avg_sq``. A parameter has at most one run per
-        rank. Stage 0 owns every element on every DP rank.
+        parameter itself in fp32 runs), ``exp_avg`` and ``exp_avg_sq``. A parameter has one run per bucket it
+        spans (buckets may cut parameters). Stage 0 owns every element on every DP rank.
         """
         store = self.store
         if hasattr(store, "layouts"):  # stage 3: persistent buckets first, then one layout per gather unit

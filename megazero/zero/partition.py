@@ -1,31 +1,22 @@
-"""Flat, padded buffers split into equal per-rank shards, and which state each ZeRO stage shards.
+"""Which state each ZeRO stage shards, and :class:`BucketedParams`: the flat parameter and gradient buffers of
+stages 0-2 (and of stage 3's persistent parameters), reduced over the DP group bucket by bucket.
 
-A :class:`FlatLayout` lays a list of tensors end to end in one flat buffer and pads it so that each of the
-``dp_size`` ranks owns an equal slice whose length is a multiple of ``align`` elements::
-
-    | p0 ......... | p1 ....... | p2 .. | pad |
-    |  rank 0 slice   |  rank 1 slice   |  ...      (a parameter may straddle two slices)
-
-The optimizer sees its share of a buffer as an :class:`OwnedSegment` made of :class:`Piece` runs (which parameter, which elements), so that it
-can apply weight decay and count the gradient norm per parameter without any per-element mask.
-:func:`build_buckets` groups consecutive tensors into buckets of bounded size, and :class:`BucketedParams`
-keeps whole parameters in such buckets and reduces their gradients over the DP group (stages 0-2, and the
-persistent parameters of stage 3).
+The flat layouts, owned segments and bucket cuts it builds on live in :mod:`megazero.zero.flat` (re-exported
+here).
 """
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import accumulate
 
 import torch
 from torch import nn
 
 from megazero import host
 from megazero.distributed import Group
+from megazero.zero.flat import FlatLayout, OwnedSegment, Piece, build_buckets, set_data, storage_bytes
 
 __all__ = [
     "BucketedParams",
@@ -56,187 +47,39 @@ def sharded_state(stage: int) -> ShardedState:
     return ShardedState(optimizer_states=stage >= 1, gradients=stage >= 2, parameters=stage >= 3)
 
 
-@dataclass(frozen=True)
-class Piece:
-    """Part of tensor ``index`` inside a flat range: ``numel`` elements from ``param_offset`` within the tensor,
-    at ``offset`` within the range."""
-
-    index: int
-    param_offset: int
-    offset: int
-    numel: int
-
-
-class FlatLayout:
-    """Tensors of sizes ``numels`` laid end to end, padded to ``dp_size`` equal slices of ``shard_numel``.
-
-    ``shard_numel`` is a multiple of ``align`` so every rank's slice starts aligned; the padding (at most
-    ``dp_size * align - 1`` elements, plus one aligned slice per rank for an empty layout) sits at the end.
-    """
-
-    def __init__(self, numels: Sequence[int], dp_size: int, align: int = 16) -> None:
-        if dp_size < 1 or align < 1:
-            raise ValueError(f"dp_size and align must be >= 1, got {dp_size} and {align}")
-        self.numels = [int(n) for n in numels]
-        self.offsets = [0, *accumulate(self.numels)][:-1] if self.numels else []
-        self.numel = sum(self.numels)
-        self.dp_size = dp_size
-        self.align = align
-        chunk = dp_size * align
-        self.padded_numel = max(1, math.ceil(self.numel / chunk)) * chunk
-        self.shard_numel = self.padded_numel // dp_size
-
-    def __repr__(self) -> str:
-        return (f"FlatLayout({len(self.numels)} tensors, {self.numel} elements, padded {self.padded_numel}, "
-                f"{self.dp_size} x {self.shard_numel})")
-
-    def shard_range(self, rank: int) -> tuple[int, int]:
-        """``[start, end)`` of ``rank``'s slice in the flat buffer."""
-        if not 0 <= rank < self.dp_size:
-            raise ValueError(f"rank {rank} outside a layout of {self.dp_size} shards")
-        return rank * self.shard_numel, (rank + 1) * self.shard_numel
-
-    def pieces(self, start: int, end: int) -> list[Piece]:
-        """The tensors overlapping ``[start, end)``, with offsets relative to ``start`` (padding omitted)."""
-        out = []
-        for i, (off, n) in enumerate(zip(self.offsets, self.numels)):
-            lo, hi = max(off, start), min(off + n, end)
-            if lo < hi:
-                out.append(Piece(index=i, param_offset=lo - off, offset=lo - start, numel=hi - lo))
-        return out
-
-    def views(self, flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
-        """Views of ``flat`` (one layout's worth of elements) shaped like the laid-out tensors."""
-        return [flat[o: o + n].view(s) for o, n, s in zip(self.offsets, self.numels, shapes)]
-
-    def flatten(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
-        """A new padded flat buffer holding ``tensors`` (zeros in the padding)."""
-        dtype = dtype or tensors[0].dtype
-        flat = torch.zeros(self.padded_numel, dtype=dtype, device=tensors[0].device if tensors else None)
-        for t, o, n in zip(tensors, self.offsets, self.numels):
-            flat[o: o + n].copy_(t.detach().reshape(-1))
-        return flat
-
-
-def build_buckets(numels: Sequence[int], bucket_numel: int, isolate: Sequence[bool] | None = None,
-                  keys: Sequence[int] | None = None) -> list[list[int]]:
-    """Group consecutive indices so each group holds at most ``bucket_numel`` elements.
-
-    A tensor larger than the bucket gets a group of its own; ``bucket_numel`` <= 0 means one group. Indices
-    marked in ``isolate`` always get a group of their own (so their partition depends on nothing else); a
-    group never holds two different ``keys`` (e.g. two model chunks).
-    """
-    groups: list[list[int]] = []
-    current: list[int] = []
-    size = 0
-    for i, n in enumerate(numels):
-        if current and keys is not None and keys[i] != keys[current[-1]]:
-            groups.append(current)
-            current, size = [], 0
-        if isolate is not None and isolate[i]:
-            if current:
-                groups.append(current)
-            groups.append([i])
-            current, size = [], 0
-            continue
-        if current and bucket_numel > 0 and size + n > bucket_numel:
-            groups.append(current)
-            current, size = [], 0
-        current.append(i)
-        size += n
-    if current:
-        groups.append(current)
-    return groups
-
-
-def set_data(p: nn.Parameter, value: torch.Tensor) -> None:
-    """``p.data = value``, also for a parameter built on the meta device (which ``.data`` cannot leave): its
-    tensor is swapped in place, keeping the Parameter object, its hooks and its attributes."""
-    if not p.is_meta:
-        p.data = value
-        return
-    attrs = dict(p.__dict__)
-    hooks = list((p._backward_hooks or {}).values())
-    post = list((p._post_accumulate_grad_hooks or {}).values())
-    torch.utils.swap_tensors(p, nn.Parameter(value, requires_grad=p.requires_grad))
-    p.__dict__.update(attrs)
-    p._backward_hooks = None  # the hooks stayed with the swapped-out tensor: register them again
-    for hook in hooks:
-        p.register_hook(hook)
-    p._post_accumulate_grad_hooks = None
-    for hook in post:
-        p.register_post_accumulate_grad_hook(hook)
-
-
-def storage_bytes(tensors: Sequence[torch.Tensor], seen: set[int] | None = None) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views share one), skipping storages in ``seen``.
-
-    ``seen`` is updated, so calling this per category with one set counts every storage once overall.
-    Storages that have been freed (resized to 0, a released ZeRO-3 buffer) count 0.
-    """
-    seen = set() if seen is None else seen
-    total = 0
-    for t in tensors:
-        if t is None:
-            continue
-        st = t.untyped_storage()
-        if st.nbytes() == 0:
-            continue
-        key = host.storage_key(t)
-        if key in seen:
-            continue
-        seen.add(key)
-        total += st.nbytes()
-    return total
-
-
-@dataclass
-class OwnedSegment:
-    """This rank's contiguous share of one flat buffer: what the optimizer updates.
-
-    ``param`` holds the model-dtype values (a view into a live buffer, written back after each step), ``grad``
-    the reduced gradient in the model dtype (valid after the reduction), ``pieces`` the ``(parameter, start,
-    end)`` runs of each parameter's elements inside the segment, ``init`` the fp32 starting values for a
-    mixed-precision master copy (dropped once the optimizer has taken them).
-    """
-
-    param: torch.Tensor
-    grad: torch.Tensor
-    pieces: list[tuple[nn.Parameter, int, int]]
-    init: torch.Tensor | None = None
-
-
 class BucketedParams:
-    """Whole parameters in flat buckets whose gradients are reduced over the DP group bucket by bucket.
+    """Parameters in flat buckets whose gradients are reduced over the DP group bucket by bucket.
 
-    The parameters (in reverse registration order, roughly the order backward produces their gradients)
-    are grouped into buckets of at most ``bucket_numel`` elements; each bucket is a :class:`FlatLayout` over
-    the DP group (``shard_optimizer``) or over this rank alone, and every parameter becomes a view into one
-    flat model-dtype buffer. Gradients are accumulated and reduced in ``grad_dtype`` (default: the model
-    dtype; fp32 for bf16 training). ``groups`` are the model chunks of an interleaved pipeline (default: one):
-    no bucket spans two groups, and a backward touches only the buckets of the chunk that ran. Policy:
+    The parameters, laid end to end in reverse registration order (roughly the order backward produces their
+    gradients), are cut into buckets of ``bucket_numel`` elements (:func:`build_buckets`: a parameter may
+    continue in the next bucket); each bucket is a :class:`FlatLayout` over the DP group (``shard_optimizer``)
+    or over this rank alone, and every parameter becomes a view into one flat model-dtype buffer. Gradients
+    are accumulated and reduced in ``grad_dtype`` (default: the model dtype; fp32 for bf16 training).
+    ``groups`` are the model chunks of an interleaved pipeline (default: one): no bucket spans two groups, and
+    a backward touches only the buckets of the chunk that ran. Policy:
 
-    * ``shard_gradients`` False (stages 0-1): one flat gradient buffer of Ψ elements, allocated once. With
-      ``grad_dtype`` equal to the model dtype, ``p.grad`` are views into it, so backward accumulates
-      micro-batches in place; otherwise a hook adds each fresh ``p.grad`` into it and drops ``p.grad``
-      (Megatron-LM's ``main_grad``). During the last micro-batch's backward of each group (known from
-      :meth:`zero_grad`'s ``micro_batches``), a bucket is all-reduced (stage 0) or reduced-scattered in place
-      (stage 1) as soon as its last gradient arrives, overlapped with the rest of backward (DDP-style; waited
-      on in :meth:`reduce_gradients`). 2Ψ resp. Ψ per step, whatever the number of micro-batches m.
+    * ``shard_gradients`` False (stages 0-1): one flat gradient buffer of Ψ elements, allocated once. A hook
+      copies the first gradient of a step into it (later micro-batches add), so it is never zeroed; with
+      ``grad_dtype`` equal to the model dtype ``p.grad`` then points into it and backward accumulates in
+      place, otherwise ``p.grad`` is dropped (Megatron-LM's ``main_grad``). During the last micro-batch's
+      backward of each group (known from :meth:`zero_grad`'s ``micro_batches``), a bucket is all-reduced
+      (stage 0) or reduced-scattered in place (stage 1) as soon as its last gradient arrives, overlapped with
+      the rest of backward (DDP-style; waited on in :meth:`reduce_gradients`). 2Ψ resp. Ψ per step, whatever
+      the number of micro-batches m.
     * ``shard_gradients`` True (stage 2): a hook copies each gradient into its bucket's staging buffer, taken
-      from a pool of ``max_inflight`` buffers of the largest bucket's size allocated once; a full bucket is
-      reduce-scattered at once (asynchronously with ``overlap_comm``) and added to this rank's owned gradient
-      buffer (one contiguous buffer of ~Ψ/Nd) when its buffer is needed again or at the end of the backward.
-      At most ``max_inflight`` buckets are being filled or reduced at any time, so the unreduced gradient
-      never exists whole. When every buffer holds a bucket still being filled, the oldest is reduced as it
-      is and its late gradients reopen it (more traffic, never more memory). Ψ per micro-batch.
+      from a pool of ``max_inflight`` buffers of one bucket's size allocated once; a full bucket is
+      reduce-scattered at once (asynchronously with ``overlap_comm``) and its shard copied or added into this
+      rank's owned gradient buffer (one contiguous buffer of ~Ψ/Nd) when its buffer is needed again or at the
+      end of the backward. At most ``max_inflight`` buckets are being filled or reduced at any time, so the
+      unreduced gradient never exists whole. When every buffer holds a bucket still being filled, the oldest
+      is reduced as it is and its late gradients reopen it (more traffic, never more memory). Ψ per micro-batch.
 
     Every rank issues its reductions in the order its gradients arrive, which is the same on every rank of the
     DP group (same graph, same code). With ``shard_optimizer``, :meth:`after_step` all-gathers the updated
     slices into every rank's buffer (Ψ). With ``reduce_scatter`` False, gradients are all-reduced instead (2Ψ
-    per reduction) and the slice kept. Parameters in ``isolate`` get a bucket of their own, so this rank owns
+    per reduction) and the slice kept. Parameters in ``isolate`` get buckets of their own, so this rank owns
     the same elements of them whatever else the store holds (the tied embedding's two pipeline copies must be
-    partitioned alike).
+    partitioned alike, given the same ``bucket_numel``).
     """
 
     def __init__(self, params: Sequence[nn.Parameter], dtype: torch.dtype, dp_group: Group, *,
@@ -263,67 +106,81 @@ class BucketedParams:
         self.params = order
         group_of = {p: i for i, g in enumerate(groups or ()) for p in g}
         n_ranks = dp_group.size if shard_optimizer else 1
-        self.buckets: list[tuple[int, list[nn.Parameter], FlatLayout]] = []  # (start, params, layout)
+        # (start, the parameter of each piece, layout whose bases say where each piece starts in its parameter)
+        self.buckets: list[tuple[int, list[nn.Parameter], FlatLayout]] = []
         self._bucket_group: list[int] = []
+        # parameter -> its pieces (bucket, offset in the bucket, offset in the parameter, numel, piece index)
+        self._pieces: dict[nn.Parameter, list[tuple[int, int, int, int, int]]] = {p: [] for p in order}
+        self._start: dict[nn.Parameter, int] = {}  # where the parameter starts in the flat buffers
         start = 0
         isolated = [any(p is q for q in isolate) for p in order]
-        for idx in build_buckets([p.numel() for p in order], bucket_numel, isolated,
-                                 [group_of.get(p, 0) for p in order]):
-            ps = [order[i] for i in idx]
-            layout = FlatLayout([p.numel() for p in ps], n_ranks, align)
+        for cut in build_buckets([p.numel() for p in order], bucket_numel, isolated,
+                                 [group_of.get(p, 0) for p in order], multiple=n_ranks * align):
+            b = len(self.buckets)
+            ps = [order[i] for i, _, _ in cut]
+            layout = FlatLayout([n for _, _, n in cut], n_ranks, align, [base for _, base, _ in cut])
+            for j, ((i, base, n), off) in enumerate(zip(cut, layout.offsets)):
+                p = order[i]
+                self._start.setdefault(p, start + off)
+                if self._start[p] + base != start + off:  # a cut parameter continues without padding
+                    raise AssertionError(f"parameter {tuple(p.shape)} laid out with a gap at bucket {b}")
+                self._pieces[p].append((b, off, base, n, j))
             self.buckets.append((start, ps, layout))
             self._bucket_group.append(group_of.get(ps[0], 0))
             start += layout.padded_numel
         self.numel = start
         device = device or (order[0].device if order else None)
         self.param_flat = torch.empty(start, dtype=dtype, device=device)
-        self._where: dict[nn.Parameter, tuple[int, int]] = {}
-        self.segments: list[OwnedSegment] = []
         gdt = self.grad_dtype
         if shard_gradients:
             self.grad_flat = None
             self.owned_grad = torch.zeros(sum(lay.shard_numel for _, _, lay in self.buckets), dtype=gdt,
                                           device=device)
-        else:
+        else:  # zero once: hooks copy into it, and the padding is only ever written by the reductions (zeros)
             self.grad_flat = torch.zeros(start, dtype=gdt, device=device)
             self.owned_grad = None
+        ranges = [(s, *lay.shard_range(self.rank)) for s, _, lay in self.buckets]
+        # the owned slices' fp32 starting values for a mixed-precision master copy (zeros in the padding)
+        inits = [torch.zeros(hi - lo, dtype=torch.float32, device=device) if dtype != torch.float32 else None
+                 for _, lo, hi in ranges]
+        for s, _, layout in self.buckets:
+            self.param_flat[s + layout.numel: s + layout.padded_numel].zero_()
+        for p in order:  # one parameter's full fp32 value at a time (from param_init when built on the meta device)
+            value = param_init(p) if p.is_meta else p.detach()
+            pv = self.param_flat[self._start[p]: self._start[p] + p.numel()].view(p.shape)
+            pv.copy_(value)
+            for b, off, base, n, _ in self._pieces[p]:
+                _, lo, hi = ranges[b]
+                a, z = max(off, lo), min(off + n, hi)
+                if inits[b] is not None and a < z:
+                    inits[b][a - lo: z - lo].copy_(value.reshape(-1)[base + a - off: base + z - off])
+            del value
+            set_data(p, pv)
+        self.segments: list[OwnedSegment] = []
         owned_off = 0
-        for b, (s, ps, layout) in enumerate(self.buckets):
-            view = self.param_flat[s: s + layout.padded_numel]
-            view[layout.numel:].zero_()
-            lo, hi = layout.shard_range(self.rank)
-            # the owned slice's fp32 starting values for a mixed-precision master copy (zeros in the padding)
-            init = torch.zeros(hi - lo, dtype=torch.float32, device=device) if dtype != torch.float32 else None
-            for p, pv, off in zip(ps, layout.views(view, [p.shape for p in ps]), layout.offsets):
-                # one parameter's full fp32 value at a time (from param_init when built on the meta device)
-                value = param_init(p) if p.is_meta else p.detach()
-                pv.copy_(value)
-                a, z = max(off, lo), min(off + p.numel(), hi)
-                if init is not None and a < z:
-                    init[a - lo: z - lo].copy_(value.reshape(-1)[a - off: z - off])
-                del value
-                set_data(p, pv)
-                self._where[p] = (b, off)
+        for (s, ps, layout), (_, lo, hi), init in zip(self.buckets, ranges, inits):
             if shard_gradients:
                 grad = self.owned_grad[owned_off: owned_off + layout.shard_numel]
                 owned_off += layout.shard_numel
             else:
                 grad = self.grad_flat[s + lo: s + hi]
             pieces = [(ps[pc.index], pc.offset, pc.offset + pc.numel) for pc in layout.pieces(lo, hi)]
-            self.segments.append(OwnedSegment(view[lo:hi], grad, pieces, init))
+            self.segments.append(OwnedSegment(self.param_flat[s + lo: s + hi], grad, pieces, init))
         # gradients land in ``p.grad`` views of grad_flat (stages 0-1 in the model dtype) or pass through hooks
         self._grad_views = not shard_gradients and gdt == dtype
         # stage 2: the staging pool (allocated on first use, never again) and the buckets using it
         self._pool_numel = max((lay.padded_numel for _, _, lay in self.buckets), default=0)
-        self._pool_size = min(max_inflight, len(self.buckets))
         self._pool: list[torch.Tensor] = []
         self._free: list[int] = []
         self._open: dict[int, int] = {}  # bucket -> pool buffer, in the order they were opened
+        self._filled: dict[int, set[int]] = {}  # open bucket -> pieces copied into its buffer
         self._inflight: deque[tuple[object, int, int]] = deque()  # (work, bucket, pool buffer)
         # stages 0-1: this step's reductions, started in the last micro-batch's backward of each group
         self._pending: list[object] = []
         self._launched = [False] * len(self.buckets)
-        # per backward: parameters still to arrive per bucket, groups touched; per step: passes per group
+        self._written: set[nn.Parameter] = set()  # parameters whose gradient this step is in grad_flat
+        self._owned_written = [False] * len(self.buckets)  # stage 2: owned slices holding this step's sums
+        # per backward: pieces still to arrive per bucket, groups touched; per step: passes per group
         self._remaining = [len(ps) for _, ps, _ in self.buckets]
         self._touched: set[int] = set()
         self._passes: dict[int, int] = {}
@@ -334,27 +191,25 @@ class BucketedParams:
 
     # -- gradients -----------------------------------------------------------------------------------------
     def _grad_view(self, p: nn.Parameter) -> torch.Tensor:
-        b, off = self._where[p]
-        s = self.buckets[b][0]
-        return self.grad_flat[s + off: s + off + p.numel()].view(p.shape)
+        a = self._start[p]
+        return self.grad_flat[a: a + p.numel()].view(p.shape)
 
     def zero_grad(self, micro_batches: int | None = None) -> None:
-        """Zero the gradient buffers for a new step of ``micro_batches`` backward passes per model chunk.
+        """Start a new step of ``micro_batches`` backward passes per model chunk.
 
         Knowing ``micro_batches`` lets stages 0-1 reduce each bucket during the last pass (None: all at
-        :meth:`reduce_gradients`). Stages 0-1 in the model dtype point ``p.grad`` at the flat buffer.
+        :meth:`reduce_gradients`). Nothing is zeroed: each gradient buffer is overwritten by the step's first
+        gradient (and slices no gradient reached are zeroed before their reduction).
         """
         if micro_batches is not None and micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
         self.micro_batches = micro_batches
         self._passes = {}
         self._launched = [False] * len(self.buckets)
-        if self.grad_flat is not None:
-            self.grad_flat.zero_()
-        else:
-            self.owned_grad.zero_()
+        self._written = set()
+        self._owned_written = [False] * len(self.buckets)
         for p in self.params:
-            p.grad = self._grad_view(p) if self._grad_views else None
+            p.grad = None
 
     def start_backward(self) -> None:
         """Reset the per-backward bookkeeping; call before each backward pass."""
@@ -376,32 +231,40 @@ class BucketedParams:
     def _on_grad(self, p: nn.Parameter) -> None:
         if p.grad is None:
             return
-        b, off = self._where[p]
-        last = self._last_pass(b)
-        if self.grad_flat is None:  # stage 2: into a staging buffer, reduced when the bucket is complete
-            if b not in self._open:
-                self._open[b] = buf = self._acquire()
-                self._pool[buf][: self.buckets[b][2].padded_numel].zero_()
-            self._pool[self._open[b]][off: off + p.numel()].add_(p.grad.reshape(-1))
+        pieces = self._pieces[p]
+        last = self._last_pass(pieces[0][0])
+        if self.grad_flat is None:  # stage 2: into staging buffers, each reduced when its bucket is complete
+            g = p.grad.reshape(-1)
+            for b, off, base, n, j in pieces:
+                if b not in self._open:
+                    self._open[b] = self._acquire()
+                    self._filled[b] = set()
+                    layout = self.buckets[b][2]
+                    self._pool[self._open[b]][layout.numel: layout.padded_numel].zero_()
+                self._pool[self._open[b]][off: off + n].copy_(g[base: base + n])
+                self._filled[b].add(j)
+                self._remaining[b] -= 1
+                if self._remaining[b] == 0:
+                    self._launch_staged(b)
             p.grad = None
-            self._remaining[b] -= 1
-            if self._remaining[b] == 0:
-                self._launch_staged(b)
             return
-        if self._launched[b]:
+        if any(self._launched[b] for b, *_ in pieces):
             raise RuntimeError("a gradient arrived for a bucket already reduced in this step: zero_grad("
                                "micro_batches=m) must state the number of backward passes per step")
         view = self._grad_view(p)
-        if not self._grad_views:  # accumulate in grad_dtype (fp32): the model-dtype gradient is dropped
+        if p not in self._written:  # the step's first gradient: copied over last step's
+            view.copy_(p.grad)
+            self._written.add(p)
+        elif not self._grad_views:  # accumulate in grad_dtype (fp32)
             view.add_(p.grad)
-            p.grad = None
         elif not host.same_data(p.grad, view):  # bypassed the buffer (e.g. after model.zero_grad())
             view.copy_(p.grad)
-            p.grad = view
+        p.grad = view if self._grad_views else None
         if last:
-            self._remaining[b] -= 1
-            if self._remaining[b] == 0:
-                self._launch_flat(b)
+            for b, *_ in pieces:
+                self._remaining[b] -= 1
+                if self._remaining[b] == 0:
+                    self._launch_flat(b)
 
     # stage 2 -------------------------------------------------------------------------------------------
     def _acquire(self) -> int:
@@ -409,7 +272,7 @@ class BucketedParams:
         else reduce the bucket opened first (every buffer holds a bucket still being filled)."""
         if self._free:
             return self._free.pop()
-        if len(self._pool) < self._pool_size:
+        if len(self._pool) < min(self.max_inflight, len(self.buckets)):
             self._pool.append(torch.empty(self._pool_numel, dtype=self.grad_dtype, device=self.param_flat.device))
             return len(self._pool) - 1
         if not self._inflight:
@@ -419,8 +282,13 @@ class BucketedParams:
 
     def _launch_staged(self, b: int) -> None:
         buf = self._open.pop(b)
-        layout = self.buckets[b][2]
+        _, ps, layout = self.buckets[b]
         staging = self._pool[buf][: layout.padded_numel]
+        filled = self._filled.pop(b)
+        if len(filled) < len(ps):  # reduced before all its gradients arrived: the missing ones count zero
+            for j, (off, n) in enumerate(zip(layout.offsets, layout.numels)):
+                if j not in filled:
+                    staging[off: off + n].zero_()
         lo, hi = layout.shard_range(self.rank)
         if self.reduce_scatter:
             work = self.dp_group.reduce_scatter(staging[lo:hi], staging, tag="grad", async_op=True)
@@ -434,12 +302,19 @@ class BucketedParams:
         work, b, buf = self._inflight.popleft()
         work.wait()
         lo, hi = self.buckets[b][2].shard_range(self.rank)
-        self.segments[b].grad.add_(self._pool[buf][lo:hi])
+        if self._owned_written[b]:
+            self.segments[b].grad.add_(self._pool[buf][lo:hi])
+        else:
+            self.segments[b].grad.copy_(self._pool[buf][lo:hi])
+            self._owned_written[b] = True
         self._free.append(buf)
 
     # stages 0-1 ----------------------------------------------------------------------------------------
     def _launch_flat(self, b: int) -> None:
-        s, _, layout = self.buckets[b]
+        s, ps, layout = self.buckets[b]
+        for p, off, n in zip(ps, layout.offsets, layout.numels):  # no gradient this step: zeros
+            if p not in self._written:
+                self.grad_flat[s + off: s + off + n].zero_()
         g = self.grad_flat[s: s + layout.padded_numel]
         if self.shard_optimizer and self.reduce_scatter:
             lo, hi = layout.shard_range(self.rank)
@@ -468,8 +343,13 @@ class BucketedParams:
         self.start_backward()
 
     def reduce_gradients(self) -> None:
-        """At the accumulation boundary (stages 0-1): reduce the buckets not reduced yet, wait for all."""
+        """At the accumulation boundary. Stages 0-1: reduce the buckets not reduced yet, wait for all. Stage 2:
+        zero the owned slices no gradient reached this step."""
         if self.grad_flat is None:
+            for b, written in enumerate(self._owned_written):
+                if not written:
+                    self.segments[b].grad.zero_()
+                    self._owned_written[b] = True
             return
         for b in range(len(self.buckets)):
             if self._launched[b]:
@@ -478,7 +358,8 @@ class BucketedParams:
                 view = self._grad_view(p)
                 if p.grad is not None and not host.same_data(p.grad, view):
                     view.copy_(p.grad)
-                p.grad = view
+                    self._written.add(p)
+                p.grad = view if p in self._written else None
             self._launch_flat(b)
         for work in self._pending:
             work.wait()
@@ -499,15 +380,21 @@ class BucketedParams:
 
     def consolidate(self, values: Sequence[torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
         """Full fp32 tensors per parameter from every rank's per-segment ``values`` (a collective)."""
-        out = {}
-        for (_, ps, layout), v in zip(self.buckets, values):
+        fulls = []
+        for (_, _, layout), v in zip(self.buckets, values):
             v = v.detach().float().contiguous()
             full = torch.empty(layout.padded_numel, dtype=torch.float32, device=v.device)
             if self.shard_optimizer:
                 self.dp_group.all_gather_into(full, v, tag="other")
             else:
                 full.copy_(v)
-            out.update(zip(ps, (t.clone() for t in layout.views(full, [p.shape for p in ps]))))
+            fulls.append(full)
+        out = {}
+        for p, pieces in self._pieces.items():
+            t = torch.empty(p.numel(), dtype=torch.float32, device=fulls[0].device if fulls else None)
+            for b, off, base, n, _ in pieces:
+                t[base: base + n].copy_(fulls[b][off: off + n])
+            out[p] = t.view(p.shape)
         return out
 
     def padded_numel(self) -> dict[str, int]:
