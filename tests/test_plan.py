@@ -144,3 +144,40 @@ def test_dry_run_plans_with_the_cuda_defaults(tmp_path, capsys):
     # the same bf16 step on CUDA's kernels (fused attention: no S x S probabilities) saves less than on a CPU's
     assert peaks["cuda"]["params"] == peaks["cpu-bf16"]["params"]
     assert peaks["cuda"]["activations"] < peaks["cpu-bf16"]["activations"]
+
+
+TINY_PLAN = ["--model", "gpt2-124m", "--num-layers", "2", "--hidden-size", "64", "--num-heads", "4", "--seq-len",
+             "32", "--vocab-size", "256", "--gpus", "4", "--gpus-per-node", "4", "--global-batch-size", "8",
+             "--micro-batch-sizes", "1,2", "--confirm", "2"]
+
+
+def test_confirm_caches_dry_runs(tmp_path, capsys, monkeypatch):
+    """A second identical plan does no dry run and prints the same table; a changed setting misses the cache."""
+    import megazero.dryrun as dryrun
+    from megazero.dryrun_cache import cache_key, code_fingerprint
+
+    runs = []
+    real = dryrun.dry_run
+    monkeypatch.setattr(dryrun, "dry_run", lambda *a, **k: runs.append(a[0]) or real(*a, **k))
+    tool = _plan_tool()
+    cache = ["--cache-dir", str(tmp_path)]
+
+    def plan(extra: list[str]) -> list[str]:
+        assert tool.main(TINY_PLAN + cache + extra) == 0
+        out = capsys.readouterr().out
+        return [ln.replace(", cached", "") for ln in out.splitlines()[1:] if not ln.startswith("cache ")]
+
+    first = plan([])
+    assert len(runs) == 2 and len(list(tmp_path.glob("*.json"))) == 2
+    assert plan([]) == first and len(runs) == 2  # nothing run again, the same table and measurements
+    plan(["--vocab-size", "320"])  # another model: both layouts' dry runs miss
+    assert len(runs) == 4
+    # the key follows every setting of the config, the cluster and the code
+    base = ["--tp", "2", "--dp", "2", "--global-batch-size", "8", "--micro-batch-size", "2"]
+    cfg, other, logged = (parse_args(base + extra).resolve(4, device_type="cuda")
+                          for extra in ([], ["--max-inflight-buckets", "3"], ["--log-dir", "elsewhere"]))
+    c, code = cluster("h100", 8), code_fingerprint()
+    key = cache_key(cfg, c, "cuda", code)
+    assert key == cache_key(logged, c, "cuda", code)  # where logs go does not change a dry run
+    assert len({key, cache_key(other, c, "cuda", code), cache_key(cfg, cluster("a100", 8), "cuda", code),
+                cache_key(cfg, c, "cpu", code), cache_key(cfg, c, "cuda", code + "x")}) == 5

@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--confirm", type=int, default=0, metavar="N",
                    help="dry-run the N fastest layouts (every rank role, the real step on meta tensors) and "
                         "print their measured peaks (default 0; minutes for large models)")
+    p.add_argument("--cache-dir", default=None,
+                   help="where --confirm keeps its dry runs, keyed by config, cluster and code (default "
+                        "$XDG_CACHE_HOME/megazero/plan, i.e. ~/.cache/megazero/plan)")
+    p.add_argument("--no-cache", action="store_true", help="run every --confirm dry run afresh, store nothing")
     return p
 
 
@@ -134,10 +138,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def confirm(plans: list[Plan], model_flags: list[str], args: argparse.Namespace, c) -> str:
-    """Dry-run each plan (megazero/dryrun.py) and set its measured peak beside the estimate."""
+    """Dry-run each plan (megazero/dryrun.py) and set its measured peak beside the estimate; dry runs come from
+    the cache (megazero/dryrun_cache.py) when an identical one ran before."""
     from megazero.cli import parse_args
     from megazero.dryrun import dry_run
+    from megazero.dryrun_cache import DryRunCache, default_cache_dir
 
+    cache = None if args.no_cache else DryRunCache(args.cache_dir or default_cache_dir())
     lines = ["dry runs (measured on the real step; python pretrain/gpt.py --dry-run <flags>):"]
     for i, pl in enumerate(plans):
         lay = pl.layout
@@ -147,10 +154,15 @@ def confirm(plans: list[Plan], model_flags: list[str], args: argparse.Namespace,
             lines.append(f"  #{i + 1}: skipped (the dry run does not support offload yet)")
             continue
         cfg = parse_args(flags).resolve(lay.tp * lay.pp * lay.dp, device_type="cuda")  # the GPU run's defaults
-        rep = dry_run(cfg, c, device_type="cuda")
+        if cache is None:
+            rep, hit = dry_run(cfg, c, device_type="cuda"), False
+        else:
+            rep, hit = cache.dry_run(cfg, c, device_type="cuda")
         worst = max(r.peak_bytes for r in rep.roles)
         lines.append(f"  #{i + 1}: measured peak {worst / 1e9:.2f} GB vs estimated {pl.peak_bytes / 1e9:.2f} GB; "
-                     f"{rep.verdict} ({len(rep.roles)} roles, {rep.wall_seconds:.0f} s)")
+                     f"{rep.verdict} ({len(rep.roles)} roles, {rep.wall_seconds:.0f} s{', cached' if hit else ''})")
+    if cache is not None:
+        lines.append(f"cache {cache.directory}: {cache.hits} dry runs reused, {cache.misses} run")
     return "\n".join(lines)
 
 
