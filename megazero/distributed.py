@@ -10,6 +10,14 @@ Two things live here:
   installed torch offers (``all_gather_single`` on newer releases, ``all_gather_into_tensor`` on older ones) and
   records the logical volume of the call the way the ZeRO paper counts it: an all-reduce of n elements counts
   2n, a reduce-scatter its full input n, an all-gather its full output n, a broadcast n.
+
+On gloo (CPU ranks) two collectives take a faster road to the same result, measured at 4 ranks on 48M fp32
+elements (CPU time summed over ranks): gloo's reduce-scatter copies its input, all-reduces and copies out (760
+ms, twice its all-reduce's 380), so an in-place reduce-scatter (the output is this rank's slice of the input,
+ZeRO's pattern) all-reduces the input in place, which leaves the rank's shard where it belongs (and the rest of
+the input reduced too: ZeRO's inputs are scratch); gloo's all-gather (570 ms) gives way to one broadcast per
+rank's shard into the output (165 ms). The ledger still counts the logical reduce-scatter and all-gather (the
+bytes gloo moves for the all-reduce are 2n). NCCL always runs the collectives themselves.
 """
 
 from __future__ import annotations
@@ -108,6 +116,7 @@ class Group:
         self.rank = self.ranks.index(global_rank) if global_rank in self.ranks else -1
         self.device = _normalise_device(device if device is not None else backend_device())
         self.p2p_log: list | None = None  # when a list: every batched p2p call is appended (p2p_replay)
+        self._gloo = self.size > 1 and dist.is_initialized() and dist.get_backend(process_group) == "gloo"
 
     def __repr__(self) -> str:
         return f"Group({self.name!r}, ranks={self.ranks}, rank={self.rank}, device={self.device})"
@@ -143,6 +152,15 @@ class Group:
                 output.copy_(input.view_as(output))
             return _Done() if async_op else None
         self.ledger.record(self.name, "all_gather", tag, output.numel())
+        if self._gloo:  # one broadcast per shard (module docstring)
+            n = input.numel()
+            mine = output.view(-1)[self.rank * n: (self.rank + 1) * n]
+            if not host.same_data(mine, input):
+                mine.copy_(input.reshape(-1))
+            works = [dist.broadcast(output.view(-1)[r * n: (r + 1) * n], src=self.ranks[r],
+                                    group=self.process_group, async_op=True) for r in range(self.size)]
+            done = _Works(works)
+            return done if async_op else done.wait()
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         return fn(output, input, group=self.process_group, async_op=async_op)
 
@@ -161,6 +179,10 @@ class Group:
                 output.copy_(input.view_as(output))
             return _Done() if async_op else None
         self.ledger.record(self.name, "reduce_scatter", tag, input.numel())
+        n = output.numel()
+        if self._gloo and input.is_contiguous() and host.same_data(output, input.view(-1)[self.rank * n:]):
+            # in place: all-reduce the input, this rank's shard is then where the output is (module docstring)
+            return dist.all_reduce(input, op=_reduce_op(op), group=self.process_group, async_op=async_op)
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         return fn(output, input, op=_reduce_op(op), group=self.process_group, async_op=async_op)
 
@@ -260,6 +282,20 @@ class _Done:
 
     def is_completed(self) -> bool:
         return True
+
+
+class _Works:
+    """One handle for several asynchronous collectives."""
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
 
 
 def _reduce_op(op: str) -> dist.ReduceOp:
