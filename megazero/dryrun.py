@@ -195,6 +195,7 @@ def run_role(cfg: Config, grid: RankGrid, rank: int, c: Cluster | None = None) -
             t = cfg.training
             ids = torch.zeros(t.micro_batch_size, cfg.model.seq_len, dtype=torch.long)  # on the host, like collate
             batch = [(ids, ids) for _ in range(t.gradient_accumulation_steps)]
+            ctx.ledger.mark_step()  # volumes per step: construction's collectives are not the step's
             buffers = functools.partial(zero_buffers, engine.optimizer)
             at_rest = _device_bytes(buffers())
             peak, steps = _tracked_step(engine, batch, device, buffers, reader), 1

@@ -122,6 +122,7 @@ def _real_steps(ctx, topo: tuple, runs: list[list[str]]):
         # which is what the meta device runs (no fused kernel is chosen for meta tensors)
         with host.use(host.EmulatedHost("cpu")), sdpa_kernel(SDPBackend.MATH):
             engine = Engine(cfg, ctx, torch.device("cpu"))
+            ctx.ledger.mark_step()  # the steps' volumes only (the dry run leaves construction out too)
             g = torch.Generator().manual_seed(ctx.dp_rank)
             t = cfg.training
             batch = []
