@@ -41,6 +41,17 @@ class GatherOrderError(RuntimeError):
     """Data-parallel ranks tried to gather different ZeRO-3 parameters at the same point."""
 
 
+class _Holding:
+    """A collective's work handle that keeps its input alive until the handle is dropped (after ``wait``), as
+    NCCL keeps an asynchronous collective's input; gloo's all-gather road copies it at once and lets it go."""
+
+    def __init__(self, work: object, tensor: torch.Tensor) -> None:
+        self.work, self.tensor = work, tensor
+
+    def wait(self) -> None:
+        self.work.wait()
+
+
 class GatherScheduler:
     """Gathers and releases :class:`Unit` buffers over ``dp_group`` (see the module docstring)."""
 
@@ -135,7 +146,8 @@ class GatherScheduler:
         self.live += unit.numel
         self.peak_live = max(self.peak_live, self.live)
         shard = host.to_device(unit.shard, self.device)  # from host memory with offload_param
-        unit.work = self.dp_group.all_gather_into(unit.full, shard, tag="param", async_op=True)
+        # the device copy of an offloaded shard lives until the gather is waited on, as under NCCL
+        unit.work = _Holding(self.dp_group.all_gather_into(unit.full, shard, tag="param", async_op=True), shard)
 
     def done_with(self, unit: Unit, reused: bool) -> None:
         """A forward of ``unit`` finished: keep it for its imminent ``reused`` backward, or release it."""
