@@ -180,7 +180,7 @@ class Stage3Params:
             return out
         if torch.is_grad_enabled():
             out = self._attach(out, functools.partial(self._chunk_pre_backward, c, roots))
-        for u in self.units:  # the chunk's own units and any unused prefetch
+        for u in list(self.sched.gathered.values()):  # the chunk's own units and any unused prefetch
             self.sched.release(u)
         self.sched.end()
         return out
@@ -251,11 +251,16 @@ class Stage3Params:
         """``unit``'s backward is done: release it and reduce-scatter its gradients (bounded in flight)."""
         unit.reduced = True
         self.sched.release(unit)
-        if unit.staging is None:
+        g = unit.params[0].grad if unit.is_root and len(unit.params) == 1 and unit.arrived[0] else None
+        direct = (g is not None and g.dtype == self.grad_dtype and g.numel() == unit.numel
+                  and g.is_contiguous())  # one parameter, no padding: its own .grad is the reduction's input
+        if direct:
+            unit.staging, unit.params[0].grad = g.view(-1), None
+        elif unit.staging is None:
             unit.staging = self._staging(unit)
             if not unit.is_root:
                 unit.staging.zero_()
-        if unit.is_root or any(unit.arrived):  # padding, parameters without a gradient: zeros
+        if not direct and (unit.is_root or any(unit.arrived)):  # padding, parameters without a gradient: zeros
             for i, (p, o, n) in enumerate(zip(unit.params, unit.layout.offsets, unit.layout.numels)):
                 if not unit.arrived[i]:
                     unit.staging[o: o + n].zero_()
@@ -286,7 +291,7 @@ class Stage3Params:
         else:  # the step's first reduction of this unit allocates its owned gradient
             self._materialise(unit).copy_(flat[lo:hi])
         # keep the buffer for reuse only while a gathered unit of its size has gradients to come
-        if any(u.gathered and not u.reduced and u.numel == flat.numel() for u in self.units):
+        if any(not u.reduced and u.numel == flat.numel() for u in self.sched.gathered.values()):
             self._pool.setdefault(flat.numel(), []).append(flat)
 
     def _materialise(self, unit: Unit) -> torch.Tensor:
@@ -331,7 +336,7 @@ class Stage3Params:
                 self._reduce(unit)
         while self._inflight:
             self._complete_oldest()
-        for unit in self.units:
+        for unit in list(self.sched.gathered.values()):
             self.sched.release(unit)
         for u in self.units:
             u.staging = None

@@ -60,6 +60,8 @@ class GatherScheduler:
         self.units, self.dp_group, self.device, self.placeholder = units, dp_group, device, placeholder
         self.prefetch_numel, self.max_live, self.reuse_distance = prefetch_numel, max_live, reuse_distance
         self.live = 0  # elements gathered (or being gathered) right now
+        self.gathered: dict[int, Unit] = {}  # uid -> unit, gathered (or being gathered) right now
+        self.kept: dict[int, Unit] = {}  # uid -> unit, of them kept for reuse (``Unit.kept`` is not None)
         self.peak_live = 0
         self.hold = 0  # gathered_parameters() depth: nothing is released while > 0
         self.traces: dict[tuple[int, int], list[int]] = {}
@@ -93,6 +95,7 @@ class GatherScheduler:
             self.follow = self.traces.get(self.key)
         self.recorded.append(unit.uid)
         unit.kept = None
+        self.kept.pop(unit.uid, None)
         if self.follow is not None:
             if self.cursor < len(self.follow) and self.follow[self.cursor] == unit.uid:
                 self.cursor += 1
@@ -123,26 +126,25 @@ class GatherScheduler:
 
     def _make_room(self, numel: int) -> None:
         """Release units kept for reuse while a needed gather would exceed the live budget."""
-        for u in self.units:
+        for u in list(self.kept.values()):
             if self.live + numel <= self.max_live:
                 return
-            if u.kept is not None:
-                self.release(u)
+            self.release(u)
 
     def fetch(self, unit: Unit) -> None:
         """Start the all-gather of ``unit`` into its full buffer (checked while tracing)."""
         if self.follow is None:
             self.check(unit)
         self.seq += 1
-        for u in self.units:  # units kept for reuse age by what is gathered after them
-            if u.kept is not None:
-                u.kept += unit.numel
-                if u.kept > self.reuse_distance:
-                    self.release(u)
+        for u in list(self.kept.values()):  # units kept for reuse age by what is gathered after them
+            u.kept += unit.numel
+            if u.kept > self.reuse_distance:
+                self.release(u)
         unit.full.untyped_storage().resize_(unit.full_bytes)
         for p, view in zip(unit.params, unit.views):
             p.data = view
         unit.gathered = True
+        self.gathered[unit.uid] = unit
         self.live += unit.numel
         self.peak_live = max(self.peak_live, self.live)
         shard = host.to_device(unit.shard, self.device)  # from host memory with offload_param
@@ -153,6 +155,7 @@ class GatherScheduler:
         """A forward of ``unit`` finished: keep it for its imminent ``reused`` backward, or release it."""
         if reused and self.reuse_distance > 0:
             unit.kept = 0
+            self.kept[unit.uid] = unit
         else:
             self.release(unit)
 
@@ -167,6 +170,8 @@ class GatherScheduler:
         for p in unit.params:
             p.data = self.placeholder.expand(p.shape)
         unit.gathered, unit.kept = False, None
+        del self.gathered[unit.uid]
+        self.kept.pop(unit.uid, None)
         self.live -= unit.numel
 
     def gather_all(self) -> None:
