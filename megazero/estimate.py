@@ -415,7 +415,9 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
     embedding); during each block's backward (that block and the next gathered, one block's gradient
     staging, the largest block parameter's fresh gradient, the head's gradient of the tied embedding held
     by autograd until the embedding's backward adds to it; the chunk's own units are released by then, and
-    the activations of the blocks already done are freed); and at the embedding's backward (the embedding's
+    the activations of the blocks already done are freed); at each block's reduction (the block released, its
+    staging and, where the reduction dtype is wider than the model's, one converted chunk of the model
+    dtype's bytes, its owned part allocated); and at the embedding's backward (the embedding's
     and the head's gradients and their sum, or one of them and the own units' staging). With one micro-batch
     per step the owned gradient partition fills unit by unit as backward reduces it (:attr:`PeakEstimate.
     released` says what is not yet there, and the activations freed); with several it is whole from the
@@ -474,16 +476,22 @@ def _stage3_backward(numel: dict[str, int], threshold: int, e: int, eg: int, dp_
     wte = big.get("wte.weight", 0)
     held = e * wte if first and last else 0.0  # the head's gradient of the tied embedding, until the embedding
 
-    def missing(reduced_blocks: int) -> float:  # owned gradient parts not yet reduced (one micro-batch)
+    def missing(reduced_blocks: float) -> float:  # owned gradient parts not yet reduced (one micro-batch)
         return eg * (root + (n_blocks - reduced_blocks) * block) / dp_size if micro_batches == 1 else 0.0
 
-    # (added, released): as backward begins, during the i-th block's backward, at the embedding's backward
+    # staging in the model dtype where the reduction's is wider, converted in chunks of the model dtype's bytes
+    es, chunk = min(e, eg), (e if e < eg else 0)
+    # (added, released): as backward begins, during the i-th block's backward and at its reduction (the
+    # block released, its owned part allocated), at the embedding's backward
     moments = [(e * (root + block), missing(0))]
     for i in range(n_blocks):
         prefetched = block if i < n_blocks - 1 else 0
-        added = e * (block + prefetched) + eg * block + e * block_param + held - e * largest
-        moments.append((added, missing(i) + blocks_act * i / max(n_blocks, 1)))
+        done = blocks_act * i / max(n_blocks, 1)
+        added = e * (block + prefetched) + es * block + e * block_param + held - e * largest
+        moments.append((added, missing(i) + done))
+        added = e * prefetched + (es + chunk) * block + held - e * largest
+        moments.append((added, missing(i + 1) + done))
     if first and wte:
-        added = max(3 * e * wte if last else e * wte, e * wte + eg * root) - e * largest
+        added = max(3 * e * wte if last else e * wte, e * wte + (es + chunk) * root) - e * largest
         moments.append((added, missing(n_blocks) + blocks_act))
     return max(moments, key=lambda m: m[0] - m[1])

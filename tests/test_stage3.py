@@ -257,7 +257,7 @@ def _dp4_world(ctx, cache: str) -> dict:
             "grads_peak": grads_peak, "unit_bytes": unit_bytes, "root": [u.name for u in store.units if u.is_root],
             "checks": checks, "holds": (held, gathers, [torch.equal(t, outside) for t in inside]),
             "released": released, "deviation_checks": deviation_checks, "inflight": store.max_inflight,
-            "owned": owned, "in_blocks": in_blocks, "toy": _toy_roots_kept(ctx)}
+            "owned": owned, "in_blocks": in_blocks, "toy": _toy_roots_kept(ctx), "bf16": _toy_bf16_reduction(ctx)}
 
 
 class _Toy(torch.nn.Module):
@@ -278,6 +278,38 @@ class _Toy(torch.nn.Module):
         for block in self.blocks:
             h = torch.tanh(block(h))
         return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), y.flatten(), reduction="sum")
+
+
+def _toy_bf16_reduction(ctx) -> tuple:
+    """The toy in bf16 at stage 3, one backward: the dtypes of the staging buffers seen at every gradient
+    arrival, and the largest difference of each unit's owned gradient from the fp32 sum over DP (an all-reduce,
+    independent of the store) of a plain bf16 copy's local gradients, relative to the largest value."""
+    from megazero.config import OptimizerConfig, ZeroConfig
+    from megazero.zero import ZeroOptimizer
+
+    g = torch.Generator().manual_seed(8)
+    x, y = torch.randint(0, 64, (8, 6), generator=g), torch.randint(0, 64, (8, 6), generator=g)
+    b = 8 // ctx.dp_size
+    x, y = x[ctx.dp_rank * b: (ctx.dp_rank + 1) * b], y[ctx.dp_rank * b: (ctx.dp_rank + 1) * b]
+    ref = _Toy().to(torch.bfloat16)
+    (ref(x, y) / 48).backward()
+    model = _Toy()
+    opt = ZeroOptimizer(model, ZeroConfig(stage=3, stage3_param_persistence_threshold=0), OptimizerConfig(),
+                        ctx.dp_group, precision="bf16")
+    store, dtypes = opt.store, set()
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda _: dtypes.update(t.dtype for t in store._held_staging()))
+    opt.zero_grad()
+    opt.backward(model(x, y) / 48)
+    names = {id(p): n for n, p in model.named_parameters()}
+    grads = dict(ref.named_parameters())
+    worst = 0.0
+    for unit in store.units:
+        full = unit.layout.flatten([grads[names[id(p)]].grad.float() for p in unit.params])
+        ctx.dp_group.all_reduce(full, tag="other")
+        lo, hi = unit.layout.shard_range(ctx.dp_rank)
+        worst = max(worst, ((unit.grad - full[lo:hi]).abs().max() / full.abs().max()).item())
+    return sorted(map(str, dtypes)), worst
 
 
 def _toy_roots_kept(ctx) -> tuple:
@@ -357,6 +389,10 @@ def test_stage3_peaks_order_check_holding_and_sharded_init_at_dp4(data_cache) ->
         # a chunk whose part before the blocks saved an own parameter keeps its own units: still exact
         toy_free, toy_err = r["toy"]
         assert toy_free == {0: False} and toy_err < 1e-5, r["toy"]
+        # bf16: gradients staged in bf16 (exact), converted and reduce-scattered in fp32 chunks: the owned
+        # gradient equals an fp32 sum over DP of the local bf16 gradients (up to the order of the sum)
+        dtypes, worst = r["bf16"]
+        assert dtypes == ["torch.bfloat16"] and worst < 1e-6, r["bf16"]
 
 
 # -- stages 0-2: materialised one parameter at a time, no second fp32 copy of the replica ------------------------

@@ -17,8 +17,11 @@ fp32 master copy.
   reduce-scattered to the owners at once (asynchronously with ``overlap_comm``, at most
   ``max_inflight_buckets`` reductions in flight, default 2; staging buffers are reused from a pool).
   The tied embedding's gradient arrives once, after both uses.
-* **Gradient precision**: staging buffers, the reduction and the owned gradient are in ``grad_dtype`` (the
-  optimizer's ``--grad-dtype``: fp32 when training in bf16 by default, the model dtype otherwise).
+* **Gradient precision**: the reduction and the owned gradient are in ``grad_dtype`` (the optimizer's
+  ``--grad-dtype``: fp32 when training in bf16 by default, the model dtype otherwise). Local gradients arrive
+  in the model dtype and are staged in it (exactly); where ``grad_dtype`` is wider, a unit is converted and
+  reduce-scattered in column chunks no larger than its staging buffer (two for bf16 -> fp32), so a block's
+  staging costs the model dtype's bytes, not fp32's.
 * **Full activation checkpointing**: a block recomputed inside backward stays gathered for its backward right
   after (``stage3_max_reuse_distance``), so it is gathered twice per micro-batch, not three times.
 * **Ordering, prefetch, live budget, order check**: :mod:`.stage3_gather`.
@@ -69,6 +72,9 @@ class Stage3Params:
         self.model, self.dtype, self.dp_group, self.rank, self.cfg = model, dtype, dp_group, dp_group.rank, cfg
         self.overlap_comm, self.reduce_scatter = cfg.overlap_comm, cfg.reduce_scatter
         self.grad_dtype = grad_dtype or dtype  # the optimizer's --grad-dtype (fp32 in bf16 by default)
+        narrow = dtype.itemsize < self.grad_dtype.itemsize
+        self.stage_dtype = dtype if narrow else self.grad_dtype  # local gradients are staged exactly
+        self.reduce_chunks = self.grad_dtype.itemsize // dtype.itemsize if narrow else 1
         self.max_inflight = cfg.max_inflight_buckets
         self.device = device or next(p.device for p in model.parameters())
         if self.device.type == "meta" and param_init is None:  # the dry run gives both on meta
@@ -124,7 +130,7 @@ class Stage3Params:
         self._probed = False  # this forward pass looked at what its part before the first block saved
         self._roots_free: dict[int, bool] = {}  # chunk -> its own units are not needed by the blocks' backward
         self._saved_names: dict[type, list[str]] = {}  # autograd node type -> its saved-value attributes
-        self._inflight: list[tuple[object, Unit, torch.Tensor]] = []
+        self._inflight: list[tuple] = []  # (work, unit, buffer, this rank's part, start, first, to recycle)
         self._pool: dict[int, list[torch.Tensor]] = {}  # idle staging buffers by size
         self.peak_grad_numel = 0  # most staging elements held at once (filling, in flight or pooled)
 
@@ -219,7 +225,7 @@ class Stage3Params:
     # -- gradients -----------------------------------------------------------------------------------------
     def _staging(self, unit: Unit) -> torch.Tensor:
         pool = self._pool.get(unit.numel)
-        buf = pool.pop() if pool else torch.empty(unit.numel, dtype=self.grad_dtype, device=self.device)
+        buf = pool.pop() if pool else torch.empty(unit.numel, dtype=self.stage_dtype, device=self.device)
         used = sum(t.numel() for t in self._held_staging())
         self.peak_grad_numel = max(self.peak_grad_numel, used + unit.numel)
         return buf
@@ -252,7 +258,7 @@ class Stage3Params:
         unit.reduced = True
         self.sched.release(unit)
         g = unit.params[0].grad if unit.is_root and len(unit.params) == 1 and unit.arrived[0] else None
-        direct = (g is not None and g.dtype == self.grad_dtype and g.numel() == unit.numel
+        direct = (g is not None and g.dtype == self.stage_dtype and g.numel() == unit.numel
                   and g.is_contiguous())  # one parameter, no padding: its own .grad is the reduction's input
         if direct:
             unit.staging, unit.params[0].grad = g.view(-1), None
@@ -272,25 +278,48 @@ class Stage3Params:
                         p.grad = None
             unit.staging[unit.layout.numel:].zero_()
         flat, unit.staging = unit.staging, None
-        lo, hi = unit.layout.shard_range(self.rank)
+        first = not unit.grad_live  # the step's first reduction of this unit allocates its owned gradient
+        if first:
+            self._materialise(unit)
+        s, size = unit.layout.shard_numel, self.dp_group.size
+        if flat.dtype == self.grad_dtype:
+            self._issue(unit, flat, 0, s, first, pool=flat)
+            return
+        step = -(-s // self.reduce_chunks)
+        for a in range(0, s, step):  # [a, b) of every rank's slice, converted to grad_dtype
+            b = min(a + step, s)
+            buf = torch.empty((size, b - a), dtype=self.grad_dtype, device=flat.device)
+            buf.copy_(flat.view(size, s)[:, a:b])
+            self._issue(unit, buf.view(-1), a, b, first, pool=None)
+            del buf  # before the next chunk is allocated (the in-flight list holds it until it completes)
+        self._recycle(flat)
+
+    def _issue(self, unit: Unit, flat: torch.Tensor, a: int, b: int, first: bool, pool) -> None:
+        """Reduce ``flat`` (every rank's [a, b) of ``unit``, rank-major) into this rank's owned [a, b)."""
+        n = b - a
+        mine = flat[self.rank * n: (self.rank + 1) * n]
         if self.reduce_scatter:
-            work = self.dp_group.reduce_scatter(flat[lo:hi], flat, tag="grad", async_op=True)
+            work = self.dp_group.reduce_scatter(mine, flat, tag="grad", async_op=True)
         else:
             work = self.dp_group.all_reduce(flat, tag="grad", async_op=True)
-        self._inflight.append((work, unit, flat))
+        self._inflight.append((work, unit, flat, mine, a, first, pool))
         limit = self.max_inflight if self.overlap_comm else 0
         while len(self._inflight) > limit:
             self._complete_oldest()
 
     def _complete_oldest(self) -> None:
-        work, unit, flat = self._inflight.pop(0)
+        work, unit, _, mine, a, first, pool = self._inflight.pop(0)
         work.wait()
-        lo, hi = unit.layout.shard_range(self.rank)
-        if unit.grad_live:  # a later micro-batch: accumulate
-            unit.grad.add_(flat[lo:hi])
-        else:  # the step's first reduction of this unit allocates its owned gradient
-            self._materialise(unit).copy_(flat[lo:hi])
-        # keep the buffer for reuse only while a gathered unit of its size has gradients to come
+        dest = unit.grad[a: a + mine.numel()]
+        if first:
+            dest.copy_(mine)
+        else:  # a later micro-batch: accumulate
+            dest.add_(mine)
+        if pool is not None:
+            self._recycle(pool)
+
+    def _recycle(self, flat: torch.Tensor) -> None:
+        """Keep a staging buffer for reuse only while a gathered unit of its size has gradients to come."""
         if any(not u.reduced and u.numel == flat.numel() for u in self.sched.gathered.values()):
             self._pool.setdefault(flat.numel(), []).append(flat)
 
@@ -300,7 +329,7 @@ class Stage3Params:
         return unit.grad
 
     def _held_staging(self) -> list[torch.Tensor]:
-        return ([u.staging for u in self.units if u.staging is not None] + [f for _, _, f in self._inflight]
+        return ([u.staging for u in self.units if u.staging is not None] + [e[2] for e in self._inflight]
                 + [t for ts in self._pool.values() for t in ts])
 
     # -- the store interface the optimizer drives ----------------------------------------------------------
