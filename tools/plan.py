@@ -28,7 +28,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
 
 from megazero.config import PRESETS, ConfigError, model_preset
 from megazero.planner import Plan, search, torchrun_command
-from megazero.roofline import GPUS, cluster
+from megazero.roofline import GPUS, cluster, describe
 
 __all__ = ["build_parser", "confirm", "main", "report"]
 
@@ -92,9 +92,7 @@ def report(plans: list[Plan], tried: int, seconds: float, args: argparse.Namespa
     lines = [f"megazero plan: {args.gpus} x {c.gpu.name}, {c.gpus_per_node} per node; {args.precision}; global "
              f"batch {args.global_batch_size}; {tried} layouts tried, {len(plans)} fit in "
              f"{_gb(c.usable_memory_bytes)} GB ({seconds:.1f} s)",
-             f"assumed: {c.efficiency:.0%} of {c.gpu.peak_flops.get(args.precision, 0) / 1e12:.0f} TFLOP/s, "
-             f"NVLink {_gb(c.gpu.intra_node_bytes_per_s)} GB/s, network {_gb(c.gpu.inter_node_bytes_per_s)} GB/s "
-             f"per GPU, {c.dp_overlap:.0%} of DP traffic overlapped", ""]
+             describe(c, args.precision), ""]
     for r in [head, *rows]:
         lines.append("  ".join(c_.rjust(w) for c_, w in zip(r, widths)))
     if not plans:
@@ -150,9 +148,6 @@ def confirm(plans: list[Plan], model_flags: list[str], args: argparse.Namespace,
         lay = pl.layout
         flags = " ".join(model_flags).split() + lay.flags() + ["--global-batch-size", str(args.global_batch_size),
                                                                 "--precision", args.precision]
-        if lay.offload:
-            lines.append(f"  #{i + 1}: skipped (the dry run does not support offload yet)")
-            continue
         cfg = parse_args(flags).resolve(lay.tp * lay.pp * lay.dp, device_type="cuda")  # the GPU run's defaults
         if cache is None:
             rep, hit = dry_run(cfg, c, device_type="cuda"), False
