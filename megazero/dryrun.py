@@ -43,7 +43,7 @@ from megazero.model.kernels import emulate
 from megazero.parallel_context import ParallelContext, RankGrid
 from megazero.pipeline.p2p_replay import record_p2p, replay
 from megazero.pipeline.schedules import simulate
-from megazero.roofline import Cluster, group_nodes, step_time
+from megazero.roofline import Cluster, describe, group_nodes, step_time
 from megazero.tensor_parallel.layers import VOCAB_PAD_MULTIPLE, pad_size
 
 __all__ = ["DryRunReport", "RoleResult", "dry_run", "format_report", "rank_roles", "run_role"]
@@ -284,7 +284,7 @@ def dry_run(cfg: Config, c: Cluster, log_dir: str | None = None, device_type: st
                   "zero_stage": cfg.zero.stage, "schedule": schedule, "virtual_stages": v,
                   "micro_batches": t.gradient_accumulation_steps, "micro_batch_size": t.micro_batch_size,
                   "precision": t.precision, "gpus_per_node": c.gpus_per_node, "device_type": device_type,
-                  "compile": bool(t.compile)},
+                  "compile": bool(t.compile), "roofline": describe(c, t.precision)},
         roles=roles, bubble_fraction=bubble, usable_memory_bytes=usable, gpu=c.gpu.name, fits=fits,
         verdict=verdict, wall_seconds=time.perf_counter() - start, p2p_replay=p2p_text, p2p_ok=p2p_ok)
     if log_dir:
@@ -326,6 +326,7 @@ def format_report(r: DryRunReport) -> str:
               "step left buffers later steps start with, the larger peak of two); Melem: elements"
               " per step as the ledger counts them (all-reduce 2n); step s: roofline estimate on "
               f"{tp['gpus_per_node']}-GPU nodes of {r.gpu}",
+              tp.get("roofline", ""),
               f"kernels as on {tp.get('device_type', 'cuda')} (fused attention and dropout on cuda)"
               + ("; --compile's blocks run eagerly here" if tp.get("compile") else ""),
               f"verdict: {r.verdict}"]

@@ -16,8 +16,18 @@ then DP, then PP; ``gpus_per_node`` consecutive ranks share a node) is the sum o
 
 Figures are per rank and per optimizer step, in seconds; every hardware figure comes from :data:`GPUS` and
 can be overridden (``dataclasses.replace`` or the flags of ``tools/plan.py``). The table holds vendor
-datasheet figures (dense, no sparsity) and the usual node networks (8 x 400 Gb/s InfiniBand NDR for
-H100/H200/B200, 8 x 200 Gb/s HDR for A100); these are assumptions, not measurements.
+datasheet figures, checked against NVIDIA's datasheets (dense tensor-core peaks, i.e. half the "with
+sparsity" figures: H100/H200 SXM 989 TFLOP/s bf16, H100 PCIe 756, B200 2,250, A100 312, L40S 362; HBM
+3.35 / 2.0 / 4.8 / 8 / 2.04 (40 GB: 1.56) / 0.864 TB/s) and link rates per GPU and direction (NVLink 4 on
+H100/H200 SXM: 900 GB/s bidirectional = 450 per direction; NVLink 5 on B200: 1.8 TB/s = 900; NVLink 3 on A100:
+600 GB/s = 300; PCIe Gen5 x16 64 GB/s, Gen4 32 GB/s), with the usual node networks (one 400 Gb/s NDR
+InfiniBand port per GPU = 50 GB/s for H100/H200/B200, 200 Gb/s HDR = 25 GB/s for A100, 100 Gb/s for L40S).
+
+Nothing here is measured. The largest assumption is ``efficiency``, the fraction of the dense peak a step
+achieves on the hardware FLOPs (default 0.5: Megatron-LM's published GPT runs on A100 reach 44-52% of the
+peak, Narayanan et al. 2021, arXiv 2104.04473; a small model or micro-batch reaches less). Links are assumed to run at
+their full datasheet rate. :func:`describe` states the assumptions of a :class:`Cluster` in one line, which
+the planner and the dry run print; calibrate ``efficiency`` with a measured one-GPU step (``bench/gpu.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ __all__ = [
     "bubble_fraction",
     "cluster",
     "collective_seconds",
+    "describe",
     "group_nodes",
     "mfu",
     "step_time",
@@ -107,6 +118,16 @@ def cluster(gpu: str, gpus_per_node: int | None = None, **overrides: float) -> C
     rest = {k: v for k, v in overrides.items()
             if v is not None and k in Cluster.__dataclass_fields__ and k not in ("gpu", "gpus_per_node")}
     return Cluster(gpu=spec, gpus_per_node=gpus_per_node or spec.gpus_per_node, **rest)
+
+
+def describe(c: Cluster, precision: str) -> str:
+    """The assumptions behind a step-time estimate on ``c``, in one line."""
+    key = "tf32" if precision == "fp32" and "tf32" in c.gpu.peak_flops else precision
+    peak = c.gpu.peak_flops.get(key) or c.gpu.peak_flops["fp32"]
+    return (f"roofline assumes {c.efficiency:.0%} of {peak / 1e12:.0f} TFLOP/s ({key} dense peak of {c.gpu.name}; "
+            f"--efficiency), NVLink {c.gpu.intra_node_bytes_per_s / 1e9:.0f} GB/s and network "
+            f"{c.gpu.inter_node_bytes_per_s / 1e9:.0f} GB/s per GPU and direction at full rate, "
+            f"{c.gpus_per_node} GPUs per node, {c.dp_overlap:.0%} of DP traffic overlapped")
 
 
 def group_nodes(ranks: list[int], gpus_per_node: int) -> int:

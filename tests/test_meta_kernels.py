@@ -29,8 +29,9 @@ def _layer_activation_bytes(precision: str, dropout: float, device_type: str = "
     acts = []
     for layers in (1, 2):
         cfg = parse_args(["--num-layers", str(layers), "--hidden-size", str(H), "--num-heads", str(HEADS),
-                          "--seq-len", str(S), "--vocab-size", "256", "--dropout", str(dropout), "--precision", precision,
-                          "--micro-batch-size", str(B), "--global-batch-size", str(B), "--no-compile"]).resolve(1)
+                          "--seq-len", str(S), "--vocab-size", "256", "--dropout", str(dropout),
+                          "--precision", precision, "--micro-batch-size", str(B), "--global-batch-size", str(B),
+                          "--no-compile"]).resolve(1)
         with kernels.emulate(device_type):
             acts.append(run_role(cfg, RankGrid(1, 1, 1, 1), 0).peak_by_category["activations"])
     return acts[1] - acts[0]

@@ -52,6 +52,22 @@ def test_cluster_overrides_and_unknown_gpu():
     assert set(GPUS) >= {"h100", "h100-pcie", "h200", "a100", "a100-40gb"}
 
 
+# datasheet figures: dense bf16 TFLOP/s, memory GB, HBM TB/s, intra-node GB/s per direction (NVLink 4/5/3 at
+# 900/1800/600 GB/s bidirectional; PCIe Gen5/Gen4 x16), inter-node GB/s per GPU (one 400/200/100 Gb/s port)
+PUBLISHED = {"h100": (989.4, 80, 3.35, 450, 50), "h200": (989.4, 141, 4.8, 450, 50),
+             "b200": (2250, 180, 8.0, 900, 50), "h100-pcie": (756, 80, 2.0, 64, 50), "a100": (312, 80, 2.039, 300, 25),
+             "a100-40gb": (312, 40, 1.555, 300, 25), "l40s": (362, 48, 0.864, 32, 12.5)}
+
+
+@pytest.mark.parametrize("gpu", sorted(PUBLISHED))
+def test_gpu_table_matches_the_datasheets(gpu):
+    tflops, mem_gb, hbm_tbs, intra_gbs, inter_gbs = PUBLISHED[gpu]
+    spec = GPUS[gpu]
+    got = (spec.peak_flops["bf16"] / 1e12, spec.memory_bytes / 1e9, spec.hbm_bytes_per_s / 1e12,
+           spec.intra_node_bytes_per_s / 1e9, spec.inter_node_bytes_per_s / 1e9)
+    assert got == pytest.approx((tflops, mem_gb, hbm_tbs, intra_gbs, inter_gbs), rel=0.01)
+
+
 def test_step_time_parts():
     c = cluster("h100", 8, efficiency=0.5)
     t = step_time(c=c, precision="bf16", global_batch=8, seq_len=1024, num_layers=24, hidden=2048, vocab=50304,
@@ -110,6 +126,8 @@ def test_plan_tool_prints_ten_and_a_command(capsys):
                               "--global-batch-size", "1024"])
     out = capsys.readouterr().out
     assert code == 0
+    assert ("roofline assumes 50% of 989 TFLOP/s (bf16 dense peak of H100 SXM 80GB; --efficiency), NVLink 450 GB/s"
+            " and network 50 GB/s per GPU and direction") in out
     table = [ln for ln in out.splitlines() if ln.strip()[:2].strip().isdigit()]
     assert len(table) == 10
     cmd = out.strip().splitlines()[-1].strip()
