@@ -135,9 +135,10 @@ class ZeroConfig:
 
         Otherwise (auto) Megatron-LM's DDP bucket, ``max(40M, 1M x dp)`` elements, at stages 0-1 (the full
         gradient exists anyway; buckets only pace the reduction) and DeepSpeed's default 5e8 at stage 3. At
-        stage 2 the staging pool of ``max_inflight_buckets`` buckets is what the rank holds beyond the
-        formula's ``(2 + g + 12)Ψ/Nd``, so the bucket is ``Ψ / (16 x max_inflight_buckets)`` (the pool at most
-        Ψ/16 elements: 0.25Ψ bytes in fp32, under 4% of stage 2's 7Ψ at dp 4), at least 2^20 elements (4 MB in
+        stage 2 the staging pool is what the rank holds beyond the formula's ``(2 + g + 12)Ψ/Nd``: one buffer
+        (each bucket's reduction completes before the next opens) or, with ``overlap_comm``,
+        ``max_inflight_buckets`` of them. The bucket is Ψ/16 divided by that number (the pool at most Ψ/16
+        elements: 0.25Ψ bytes in fp32, under 4% of stage 2's 7Ψ at dp 4), at least 2^20 elements (4 MB in
         fp32, so small models are not latency bound) and at most Megatron-LM's bucket.
         """
         if self.reduce_bucket_size is not None:
@@ -146,7 +147,8 @@ class ZeroConfig:
             return min(500_000_000, self.allgather_bucket_size)
         largest = max(40_000_000, 1_000_000 * dp_size)
         if self.stage == 2:
-            largest = min(largest, max(1 << 20, -(-psi // (16 * self.max_inflight_buckets))))
+            buffers = self.max_inflight_buckets if self.overlap_comm else 1
+            largest = min(largest, max(1 << 20, -(-psi // (16 * buffers))))
         return min(largest, self.allgather_bucket_size)
 
 

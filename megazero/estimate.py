@@ -396,7 +396,7 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
       stage 2 and of stage 3's persistent parameters, ``e·min(bucket, Ψ)`` per buffer: one without
       ``overlap_comm`` (each reduction completes before the next bucket opens), ``max_inflight`` with it.
       ``bucket_numel`` None is :meth:`ZeroConfig.bucket_numel <megazero.config.ZeroConfig.bucket_numel>`'s
-      default for this rank's Ψ (stage 2: Ψ/(16·max_inflight)); stage 3: see below;
+      default for this rank's Ψ (stage 2: Ψ/16 over the buffers); stage 3: see below;
     * transients: one layer's recomputation (:func:`recompute_bytes`) and the fresh gradient autograd makes
       before it is accumulated -- of the largest parameter (on the last stage the tied embedding, whose
       gradient the LM head's backward produces first) -- plus the gradient of the LM head's input, ``e·sbh``
@@ -441,7 +441,8 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
         whole = [n for n in sizes if stage == 2 or n <= persistence_threshold]  # staged in buckets
         psi_w = sum(whole)
         if bucket_numel is None:
-            bucket_numel = ZeroConfig(stage=stage, max_inflight_buckets=max_inflight).bucket_numel(int(psi_w), dp_size)
+            bucket_numel = ZeroConfig(stage=stage, max_inflight_buckets=max_inflight,
+                                      overlap_comm=overlap_comm).bucket_numel(int(psi_w), dp_size)
         buffers = min(max_inflight, math.ceil(psi_w / bucket_numel)) if overlap_comm else 1
         comm = eg * min(bucket_numel, psi_w) * buffers
     s, h = model.seq_len, model.hidden_size

@@ -222,7 +222,7 @@ def estimate(args: argparse.Namespace) -> str:
                  "gradient staging buckets / ZeRO-3 gathered units + recomputation and fresh-gradient transients) "
                  "and the peak once activations are freed (end of backward: the tied embedding's gradient sum; "
                  "optimizer step) (megazero.estimate.peak_bytes); metrics.jsonl's memory[r].peak_bytes measures it "
-                 "(megazero/memory.py); default ZeroConfig buckets (stage 2: Ψ/32 elements, one staging buffer "
+                 "(megazero/memory.py); default ZeroConfig buckets (stage 2: Ψ/16 elements, one staging buffer "
                  "without overlap_comm), no overlap_comm.")
     notes.append("not counted (except in step peak): flat-buffer padding (< dp*16 elements per buffer), gradient staging buckets, "
                  "communication buffers, the CUDA context and allocator fragmentation.")
