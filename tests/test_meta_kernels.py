@@ -85,3 +85,40 @@ def test_fused_kernel_choice():
     assert kernels.fused_kernel(torch.float16, 256) == "flash"
     assert kernels.fused_kernel(torch.float32, 128) == "efficient"
     assert kernels.fused_kernel(torch.bfloat16, 60) is None  # torch pads such heads: left to the math path
+
+
+def _block_saved_bytes(device: str, dropout: float) -> int:
+    """Bytes of the distinct storages one bf16 GPT-2 block saves for backward on ``device`` (parameters left
+    out; the block's input, which the first LayerNorm saves, counted), seen by saved-tensor hooks; meta tensors
+    run CUDA's kernels."""
+    from megazero import host
+    from megazero.config import ModelConfig
+    from megazero.model.gpt import Block
+
+    cfg = ModelConfig(num_layers=1, hidden_size=H, num_heads=HEADS, seq_len=S, vocab_size=256, dropout=dropout)
+    with torch.device(device):
+        block = Block(cfg, None).to(torch.bfloat16)
+        x = torch.randn(B, S, H, dtype=torch.bfloat16, requires_grad=True)
+    skip = {host.storage_key(p) for p in block.parameters()}
+    saved: dict[int, torch.Tensor] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if host.storage_key(t) not in skip:
+            saved[host.storage_key(t)] = t  # held, so that no storage is freed and its key reused meanwhile
+        return t
+
+    with kernels.emulate("cuda"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x)
+    return sum(t.untyped_storage().nbytes() for t in saved.values())
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_a_block_on_meta_saves_the_formula(dropout):
+    assert _block_saved_bytes("meta", dropout) == _expected_layer_bytes("bf16", dropout)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_a_block_on_meta_saves_what_it_saves_on_a_gpu(dropout):
+    """On a GPU (sm80+): the meta emulation saves what CUDA saves, up to the RNG state tensors' few bytes."""
+    assert abs(_block_saved_bytes("meta", dropout) - _block_saved_bytes("cuda", dropout)) <= 64
