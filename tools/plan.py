@@ -11,7 +11,9 @@ estimates the step time of the rest (:mod:`megazero.roofline`: FLOPs at ``--effi
 each collective's bytes over NVLink inside a node or the network across nodes, the pipeline bubble, the
 optimizer step); prints the fastest ``--top`` and the torchrun command of the first. Hardware figures come
 from the table in :mod:`megazero.roofline`, each overridable by a flag. Confirm a plan with
-``python pretrain/gpt.py --dry-run <its flags>``.
+``python pretrain/gpt.py --dry-run <its flags>``, or the fastest N with ``--confirm N``: each is dry-run as a
+CUDA run (its defaults and kernels on meta tensors) and cached under ``--cache-dir``
+(:mod:`megazero.dryrun_cache`), so planning again reruns only what changed.
 """
 
 from __future__ import annotations
