@@ -39,12 +39,15 @@ from megazero.config import Config
 from megazero.distributed import Group
 from megazero.engine import Engine
 from megazero.memory import PeakMemoryTracker, zero_buffers
+from megazero.model.gpt import GPT
 from megazero.model.kernels import emulate
 from megazero.parallel_context import ParallelContext, RankGrid
 from megazero.pipeline.p2p_replay import record_p2p, replay
+from megazero.pipeline.partition import stage_specs
 from megazero.pipeline.schedules import simulate
 from megazero.roofline import Cluster, describe, group_nodes, step_time
 from megazero.tensor_parallel.layers import VOCAB_PAD_MULTIPLE, pad_size
+from megazero.tensor_parallel.random import RNGTracker
 
 __all__ = ["DryRunReport", "RoleResult", "dry_run", "format_report", "rank_roles", "run_role"]
 
@@ -172,6 +175,30 @@ def _tracked_step(engine: Engine, batch: list, device: torch.device, buffers: An
     return tracker.result()
 
 
+def _agreed_bucket(cfg: Config, ctx: ParallelContext) -> Config:
+    """``cfg`` with the gradient bucket the two tied-embedding stages agree on, for a role on one of them.
+
+    A real run agrees the default (Ψ-derived) bucket over the embedding group with an all-reduce (min) at
+    construction; on meta there is no value to read back, so the dry run counts both stages' Ψ on meta and
+    sets the agreed size, as the real rank would end up with."""
+    z, p, m = cfg.zero, cfg.parallel, cfg.model
+    if z.reduce_bucket_size is not None or ctx.pp_size == 1 or ctx.embedding_group is None:
+        return cfg
+    v = p.virtual_stages if p.pp_schedule == "interleaved" else 1
+    rng = RNGTracker(cfg.training.seed, ctx.tp_rank, "meta")
+
+    def psi(pp_rank: int) -> int:
+        with torch.device("meta"):
+            chunks = [GPT(m, ctx.tp_group, layers=s.layers, pre_process=s.pre_process, post_process=s.post_process,
+                          sequence_parallel=p.sequence_parallel, rng_tracker=rng,
+                          activation_checkpointing=cfg.activation_checkpointing)
+                      for s in stage_specs(m.num_layers, ctx.pp_size, pp_rank, v, p.pp_layout)]
+        return sum(q.numel() for c in chunks for q in c.parameters() if q.requires_grad)
+
+    agreed = min(z.bucket_numel(psi(r), ctx.dp_size) for r in (0, ctx.pp_size - 1))
+    return replace(cfg, zero=replace(z, reduce_bucket_size=agreed))
+
+
 def run_role(cfg: Config, grid: RankGrid, rank: int, c: Cluster | None = None) -> RoleResult:
     """Run a training step as global ``rank`` of ``grid`` on a fake process group and the meta device.
 
@@ -191,7 +218,7 @@ def run_role(cfg: Config, grid: RankGrid, rank: int, c: Cluster | None = None) -
         # host reads give placeholders; offloaded states live in host memory emulated on meta
         with host.use(host.PlaceholderHost()) as reader:
             with device:  # parameters are created without storage (no weights, no initialisation cost)
-                engine = Engine(cfg, ctx, device)
+                engine = Engine(_agreed_bucket(cfg, ctx), ctx, device)
             t = cfg.training
             ids = torch.zeros(t.micro_batch_size, cfg.model.seq_len, dtype=torch.long)  # on the host, like collate
             batch = [(ids, ids) for _ in range(t.gradient_accumulation_steps)]

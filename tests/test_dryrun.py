@@ -142,3 +142,15 @@ def test_host_same_data_and_adjacent_agree_with_pointers(device):
     if device == "cpu":  # the same answers as data pointers give
         assert host.same_data(a[2:], a[2:5]) == (a[2:].data_ptr() == a[2:5].data_ptr())
         assert host.adjacent(a[:4], a[4:]) == (a[:4].data_ptr() + 16 == a[4:].data_ptr())
+
+
+def test_tied_stages_use_the_bucket_a_real_run_agrees_on():
+    """A real run agrees the Ψ-derived ZeRO-2 bucket over the tied-embedding stages (all-reduce min at
+    construction), so both hold the same staging pool; on meta there is nothing to read back, and the dry run
+    computes the agreed size itself. The stages' own sizes differ here (the first holds the positions)."""
+    cfg = parse_args(["--pp", "2", "--dp", "2", "--zero-stage", "2", "--num-layers", "2", "--hidden-size", "1024",
+                      "--num-heads", "8", "--vocab-size", "50257", "--seq-len", "32", "--micro-batch-size", "1",
+                      "--global-batch-size", "4"]).resolve(4)
+    first, last = (run_role(cfg, RankGrid(4, 1, 2, 2), r) for r in (0, 2))
+    assert first.states["params_bytes"] != last.states["params_bytes"]
+    assert first.states["comm_buffers_bytes"] == last.states["comm_buffers_bytes"] > 0
