@@ -166,7 +166,7 @@ def test_dry_run_plans_with_the_cuda_defaults(tmp_path, capsys):
 
 TINY_PLAN = ["--model", "gpt2-124m", "--num-layers", "2", "--hidden-size", "64", "--num-heads", "4", "--seq-len",
              "32", "--vocab-size", "256", "--gpus", "4", "--gpus-per-node", "4", "--global-batch-size", "8",
-             "--micro-batch-sizes", "1,2", "--confirm", "2"]
+             "--micro-batch-sizes", "2", "--zero-stages", "1,2", "--confirm", "2"]
 
 
 def test_confirm_caches_dry_runs(tmp_path, capsys, monkeypatch):
