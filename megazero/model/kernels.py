@@ -57,7 +57,11 @@ def fused_kernel(dtype: torch.dtype, head_dim: int) -> str | None:
     """The fused SDPA kernel torch's CUDA dispatch picks on an sm80+ GPU (A100, H100, H200, B200, L40S) for
     causal attention without a mask: ``"flash"`` for fp16/bf16 with a head dimension of at most 256,
     ``"efficient"`` for the other cases it supports (fp32, or larger heads); None where torch would pad the
-    head dimension (not a multiple of 8) or fall back to the math path, which the meta device then runs."""
+    head dimension (not a multiple of 8) or fall back to the math path, which the meta device then runs.
+
+    This follows torch's default priority order (``torch._C._get_sdp_priority_order()`` on torch 2.13: flash,
+    memory-efficient, math, cuDNN); cuDNN's kernel, where a run prefers it, saves the same output and fp32
+    log-sum-exp per query."""
     if head_dim % 8:
         return None
     if dtype in (torch.float16, torch.bfloat16) and head_dim <= FLASH_MAX_HEAD_DIM:
