@@ -7,9 +7,10 @@ One integer, ``zero_cfg.stage``, decides what is partitioned across the ``dp_gro
 ======  =====================================  =================================================================
 stage   partitioned                            gradient policy with m micro-batches per step (DP volume / step)
 ======  =====================================  =================================================================
-0       nothing (plain data parallelism)       accumulate locally, all-reduce at the boundary: 2Ψ for any m
-1       optimizer states (+ fp32 master)       accumulate locally, reduce-scatter at the boundary, all-gather
-                                               the updated parameters: Ψ + Ψ = 2Ψ for any m
+0       nothing (plain data parallelism)       accumulate locally, all-reduce each bucket during the last
+                                               micro-batch's backward: 2Ψ for any m
+1       optimizer states (+ fp32 master)       accumulate locally, reduce-scatter each bucket during the last
+                                               backward, all-gather the updated parameters: 2Ψ for any m
 2       + gradients                            reduce-scatter buckets during every backward, all-gather after
                                                the step: (m + 1)Ψ
 3       + parameters (:mod:`.stage3`)          gather per block in every forward and backward, reduce-
@@ -23,8 +24,10 @@ Buckets hold :meth:`ZeroConfig.bucket_numel <megazero.config.ZeroConfig.bucket_n
 and stage 3's persistent parameters): ``min(reduce_bucket_size, allgather_bucket_size)`` when set, else derived
 from this rank's Ψ (stage 2: a staging pool of at most Ψ/16 elements; agreed over ``tied_group``, so both
 copies of a tied embedding are cut alike).
-``overlap_comm`` makes the in-backward reductions of stages 2-3 asynchronous, waited on at the end of each
-backward; stages 0-1 reduce at the boundary (all buckets issued at once, then waited on).
+``overlap_comm`` makes the in-backward reductions asynchronous (stages 2-3: waited on at the end of each
+backward, at most ``max_inflight_buckets`` in flight; stages 0-1: at the step); without it each completes at
+once. Stages 0-1 reduce during the last micro-batch's backward when :meth:`ZeroOptimizer.zero_grad` is told the
+number of micro-batches, else at the step.
 ``contiguous_gradients`` is always in effect: owned gradients live in one contiguous buffer.
 
 Precision: ``fp32`` trains the parameters directly (a parameter is its own master copy, so
