@@ -101,8 +101,11 @@ def _numels(model: ModelConfig, tp: int, pp: int, rank: int, v: int) -> tuple[in
 
 
 def evaluate(model: ModelConfig, lay: Layout, global_batch: int, c: Cluster, precision: str = "bf16",
-             persistence_threshold: int = 100_000, reduce_bucket_size: int = 500_000_000) -> Plan:
-    """Peak memory, volumes and step time of one layout (the worst pipeline stage for memory and time)."""
+             persistence_threshold: int = 100_000, reduce_bucket_size: int | None = None) -> Plan:
+    """Peak memory, volumes and step time of one layout (the worst pipeline stage for memory and time).
+
+    ``reduce_bucket_size`` None uses the bucket a run with default settings picks
+    (:meth:`ZeroConfig.bucket_numel <megazero.config.ZeroConfig.bucket_numel>`)."""
     e = ELEMENT_BYTES[precision]
     grad_bytes = 2 if precision == "fp16" else 4  # bf16 accumulates and reduces gradients in fp32
     m = global_batch // (lay.micro_batch_size * lay.dp)

@@ -90,7 +90,7 @@ def _rank_main(rank: int, world_size: int, port: int, grid_kwargs: dict, dist_ti
 
 
 def run_world(fn: Callable[..., Any], world_size: int, *args: Any, tp: int = 1, pp: int = 1,
-              dp: int | None = None, timeout: float = 180.0, dist_timeout: float = 60.0, cuda: bool = False,
+              dp: int | None = None, timeout: float = 180.0, dist_timeout: float = 120.0, cuda: bool = False,
               **kwargs: Any) -> list[Any]:
     """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` forked gloo ranks; return results by rank.
 
