@@ -286,12 +286,14 @@ class Stage3Params:
             self._issue(unit, flat, 0, s, first, pool=flat)
             return
         step = -(-s // self.reduce_chunks)
+        buf = None
         for a in range(0, s, step):  # [a, b) of every rank's slice, converted to grad_dtype
             b = min(a + step, s)
-            buf = torch.empty((size, b - a), dtype=self.grad_dtype, device=flat.device)
-            buf.copy_(flat.view(size, s)[:, a:b])
-            self._issue(unit, buf.view(-1), a, b, first, pool=None)
-            del buf  # before the next chunk is allocated (the in-flight list holds it until it completes)
+            if buf is None or self.overlap_comm:  # without overlap each chunk completes before the next:
+                buf = torch.empty(size * step, dtype=self.grad_dtype, device=flat.device)  # one buffer
+            chunk = buf[: size * (b - a)]
+            chunk.view(size, b - a).copy_(flat.view(size, s)[:, a:b])
+            self._issue(unit, chunk, a, b, first, pool=None)
         self._recycle(flat)
 
     def _issue(self, unit: Unit, flat: torch.Tensor, a: int, b: int, first: bool, pool) -> None:
