@@ -286,14 +286,12 @@ class Stage3Params:
             self._issue(unit, flat, 0, s, first, pool=flat)
             return
         step = -(-s // self.reduce_chunks)
-        buf = None
         for a in range(0, s, step):  # [a, b) of every rank's slice, converted to grad_dtype
             b = min(a + step, s)
-            if buf is None or self.overlap_comm:  # without overlap each chunk completes before the next:
-                buf = torch.empty(size * step, dtype=self.grad_dtype, device=flat.device)  # one buffer
-            chunk = buf[: size * (b - a)]
-            chunk.view(size, b - a).copy_(flat.view(size, s)[:, a:b])
-            self._issue(unit, chunk, a, b, first, pool=None)
+            chunk = torch.empty((size, b - a), dtype=self.grad_dtype, device=flat.device)
+            chunk.copy_(flat.view(size, s)[:, a:b])
+            self._issue(unit, chunk.view(-1), a, b, first, pool=None)
+            del chunk  # freed when its reduction completes (see _complete_oldest)
         self._recycle(flat)
 
     def _issue(self, unit: Unit, flat: torch.Tensor, a: int, b: int, first: bool, pool) -> None:
@@ -310,7 +308,7 @@ class Stage3Params:
             self._complete_oldest()
 
     def _complete_oldest(self) -> None:
-        work, unit, _, mine, a, first, pool = self._inflight.pop(0)
+        work, unit, buf, mine, a, first, pool = self._inflight.pop(0)
         work.wait()
         dest = unit.grad[a: a + mine.numel()]
         if first:
@@ -319,6 +317,8 @@ class Stage3Params:
             dest.add_(mine)
         if pool is not None:
             self._recycle(pool)
+        else:  # a converted chunk: free it now (gloo's worker may keep a reference to the tensor a while)
+            buf.untyped_storage().resize_(0)
 
     def _recycle(self, flat: torch.Tensor) -> None:
         """Keep a staging buffer for reuse only while a gathered unit of its size has gradients to come."""
