@@ -72,6 +72,7 @@ class RoleResult:
     wall_seconds: float = 0.0  # how long the dry step of this role took here
     p2p_calls: list | None = None  # the pipeline group's batched point-to-point calls, in issue order
     steps: int = 1  # steps run: 2 when the first left buffers that later steps start with (see run_role)
+    micro_batches_run: list[int] = field(default_factory=list)  # counts run (megazero/dryrun_steady.py)
 
 
 @dataclass
@@ -268,10 +269,15 @@ def _roofline(cfg: Config, grid: RankGrid, rank: int, breakdown: dict[tuple[str,
     return st.as_dict()
 
 
-def dry_run(cfg: Config, c: Cluster, log_dir: str | None = None, device_type: str = "cuda") -> DryRunReport:
+def dry_run(cfg: Config, c: Cluster, log_dir: str | None = None, device_type: str = "cuda",
+            steady: bool = True) -> DryRunReport:
     """Dry-run every rank role of ``cfg`` (resolved for its world and ``device_type``) and judge whether it fits
     ``c``. The meta tensors run the kernels of ``device_type`` (:func:`megazero.model.kernels.emulate`: fused
-    attention and dropout on CUDA); compiled blocks (``--compile``) run eagerly, as the tracker sees them."""
+    attention and dropout on CUDA); compiled blocks (``--compile``) run eagerly, as the tracker sees them.
+    With ``steady`` (default) each role runs at two small micro-batch counts and its volumes are extrapolated
+    when the two agree (:func:`megazero.dryrun_steady.run_role_steady`); ``steady=False`` runs the full count."""
+    from megazero.dryrun_steady import run_role_steady
+
     start = time.perf_counter()
     p, m, t = cfg.parallel, cfg.model, cfg.training
     step_cfg = replace(cfg, training=replace(t, compile=False))  # nothing to compile for on meta
@@ -279,7 +285,7 @@ def dry_run(cfg: Config, c: Cluster, log_dir: str | None = None, device_type: st
     roles = []
     for rank, padded in rank_roles(grid, m.vocab_size):
         with emulate(device_type):
-            res = run_role(step_cfg, grid, rank, c)
+            res = run_role_steady(step_cfg, grid, rank, c) if steady else run_role(step_cfg, grid, rank, c)
         res.holds_vocab_padding = padded
         roles.append(res)
     p2p_ok, p2p_text = True, "no pipeline"
@@ -287,7 +293,9 @@ def dry_run(cfg: Config, c: Cluster, log_dir: str | None = None, device_type: st
         pp_ranks = set(grid.group_of("pp", 0))
         calls = {r.rank: r.p2p_calls for r in roles if r.rank in pp_ranks}
         result = replay(calls)
-        p2p_ok, p2p_text = result.ok, str(result) + f" ({sum(len(c) for c in calls.values())} batched calls)"
+        counts = {r.micro_batches_run[0] if r.micro_batches_run else t.gradient_accumulation_steps for r in roles}
+        p2p_ok, p2p_text = result.ok, (str(result) + f" ({sum(len(c) for c in calls.values())} batched calls"
+                                       f" at {'/'.join(map(str, sorted(counts)))} micro-batches)")
     for r in roles:
         r.p2p_calls = None  # replayed; not written to the JSON
     schedule = p.pp_schedule if p.pp_size > 1 else "1f1b"
