@@ -52,7 +52,7 @@ class HostP2PGroup(Group):
         return [_Done() for _ in ops]
 
 
-def _rank_main(rank: int, world_size: int, port: int, grid_kwargs: dict, dist_timeout: float,
+def _rank_main(rank: int, world_size: int, ports: mp.Queue, over: Any, grid_kwargs: dict, dist_timeout: float,
                fn: Callable, args: tuple, kwargs: dict, results: mp.Queue, cuda: bool = False) -> None:
     code = 0
     try:
@@ -65,8 +65,17 @@ def _rank_main(rank: int, world_size: int, port: int, grid_kwargs: dict, dist_ti
 
         torch.set_num_threads(1)
         timeout = datetime.timedelta(seconds=dist_timeout)
-        # the parent's store listens on ``port`` for the whole life of the world: nobody else can take it
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+        # rank 0 hosts the store on a port the OS picks, hands it on, and keeps it until the world is over; a
+        # store thread in the parent at fork time left a forked client hanging in TCPStore's constructor
+        # (about 1 world in 10)
+        if rank == 0:
+            store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                                  timeout=timeout)
+            for _ in range(world_size - 1):
+                ports.put(store.port)
+        else:
+            store = dist.TCPStore("127.0.0.1", ports.get(timeout=dist_timeout), world_size, is_master=False,
+                                  timeout=timeout)
         if cuda:
             torch.cuda.set_device(0)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
@@ -86,6 +95,8 @@ def _rank_main(rank: int, world_size: int, port: int, grid_kwargs: dict, dist_ti
     finally:
         results.close()
         results.join_thread()  # flush the queue's feeder thread before the hard exit
+        if rank == 0:
+            over.wait(dist_timeout)  # the store lives here: peers may still be using it
         os._exit(code)
 
 
@@ -95,19 +106,13 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, tp: int = 1, 
     """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` forked gloo ranks; return results by rank.
 
     ``cuda=True``: spawned ranks sharing the one CUDA device (``fn`` and its arguments must pickle)."""
-    import datetime
-
-    from torch.distributed import TCPStore
-
     ctx_mp = mp.get_context("spawn" if cuda else "fork")
     results: mp.Queue = ctx_mp.Queue()
-    # a store on a port the OS picks, held (listening) by this process until the world is over: no race
-    store = TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
-                     timeout=datetime.timedelta(seconds=dist_timeout))
-    port = store.port
+    ports: mp.Queue = ctx_mp.Queue()  # rank 0's store port, bound to port 0 (no race), for the other ranks
+    over = ctx_mp.Event()  # set when every rank has reported: rank 0 may close the store
     grid_kwargs = {"tp_size": tp, "pp_size": pp, "dp_size": dp}
     procs = [
-        ctx_mp.Process(target=_rank_main, args=(r, world_size, port, grid_kwargs, dist_timeout, fn, args, kwargs,
+        ctx_mp.Process(target=_rank_main, args=(r, world_size, ports, over, grid_kwargs, dist_timeout, fn, args, kwargs,
                                                 results, cuda), daemon=True)
         for r in range(world_size)
     ]
@@ -142,10 +147,10 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, tp: int = 1, 
         if errors:
             raise WorldError("".join(f"\n--- rank {r} failed ---\n{tb}" for r, tb in sorted(errors.items())))
     finally:
+        over.set()
         for p in procs:
             if p.is_alive():
                 p.kill()
         for p in procs:
             p.join(timeout=5)
-        del store
     return [out[r] for r in range(world_size)]
