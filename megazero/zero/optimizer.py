@@ -66,7 +66,8 @@ from torch import nn
 from megazero import host
 from megazero.config import LossScaleConfig, OptimizerConfig, ZeroConfig
 from megazero.distributed import Group
-from megazero.zero.grads import OwnedGrads, grad_dtype_for, split_runs
+from megazero.zero.adam import adam_update
+from megazero.zero.grads import OwnedGrads, grad_dtype_for
 from megazero.zero.loss_scaler import make_loss_scaler
 from megazero.zero.partition import BucketedParams, sharded_state, storage_bytes
 
@@ -399,50 +400,9 @@ class ZeroOptimizer:
             self._adam_update(p, g, lr, a, b)
 
     def _adam_update(self, p: torch.Tensor, g: OwnedGrads, lr: float, lo: int, hi: int) -> None:
-        """One Adam/AdamW update of owned elements [lo, hi), held in ``p``.
-
-        Runs torch's fused Adam(W) kernel (CPU and CUDA) over the flat buffer's runs: the weight-decayed runs
-        (matrices) in one call, the others in a second; falls back to the same arithmetic in plain ops.
-        """
-        cfg = self.opt_cfg
-        beta1, beta2 = cfg.betas
-        t = self.step_count
-        runs: list[tuple[int, int, bool]] = []  # (start, end, decayed) covering [lo, hi)
-        pos = lo
-        for ra, rb in self._decay_runs:
-            a, b = max(ra, lo), min(rb, hi)
-            if a >= b:
-                continue
-            if pos < a:
-                runs.append((pos, a, False))
-            runs.append((a, b, True))
-            pos = b
-        if pos < hi:
-            runs.append((pos, hi, False))
-        runs = [(a, b, d) for ra, rb, d in runs for a, b in split_runs([(ra, rb)], g.bounds)]
-        fused = getattr(torch, "_fused_adamw_" if cfg.decoupled_weight_decay else "_fused_adam_", None)
-        for decayed in (True, False):
-            sel = [(a - lo, b - lo) for a, b, d in runs if d == decayed]
-            if not sel:
-                continue
-            ps = [p[a:b] for a, b in sel]
-            gs = [g.fp32(lo + a, lo + b) for a, b in sel]
-            ms, vs = ([x[lo + a: lo + b] for a, b in sel] for x in (self.exp_avg, self.exp_avg_sq))
-            wd = cfg.weight_decay if decayed else 0.0
-            if fused is not None:
-                steps = [torch.full((), float(t), device=p.device) for _ in sel]  # a fill: no host copy
-                fused(ps, gs, ms, vs, [], steps, lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=cfg.eps,
-                      amsgrad=False, maximize=False)
-                continue
-            for pp, gg, m, v in zip(ps, gs, ms, vs):
-                if wd and cfg.decoupled_weight_decay:
-                    pp.mul_(1 - lr * wd)
-                elif wd:
-                    gg = gg.add(pp, alpha=wd)
-                m.lerp_(gg, 1 - beta1)
-                v.mul_(beta2).addcmul_(gg, gg, value=1 - beta2)
-                denom = (v.sqrt() / (1 - beta2 ** t) ** 0.5).add_(cfg.eps)
-                pp.addcdiv_(m, denom, value=-lr / (1 - beta1 ** t))
+        """One Adam/AdamW update of owned elements [lo, hi), held in ``p`` (:func:`~megazero.zero.adam.adam_update`)."""
+        adam_update(p, g, lr, lo, hi, cfg=self.opt_cfg, step=self.step_count, decay_runs=self._decay_runs,
+                    exp_avg=self.exp_avg, exp_avg_sq=self.exp_avg_sq)
 
     # -- inspection ----------------------------------------------------------------------------------------
     def master_params(self) -> dict[str, torch.Tensor]:
