@@ -30,7 +30,7 @@ from megazero.roofline import Cluster
 __all__ = ["extrapolate", "run_role_steady", "steady_counts"]
 
 
-def steady_counts(schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1) -> tuple[int, int] | None:
+def steady_counts(schedule: str, pp: int, micro_batches: int) -> tuple[int, int] | None:
     """The two micro-batch counts ``(m1, m2)`` a role runs at instead of ``micro_batches``, or None when the
     full count is needed (GPipe) or no cheaper (``m1 + m2 >= micro_batches``).
 
@@ -81,7 +81,7 @@ def run_role_steady(cfg: Config, grid: RankGrid, rank: int, c: Cluster | None = 
     ``micro_batches_run`` says which counts ran."""
     p, t = cfg.parallel, cfg.training
     m = t.gradient_accumulation_steps
-    counts = steady_counts(p.pp_schedule if grid.pp_size > 1 else "1f1b", grid.pp_size, m, p.virtual_stages)
+    counts = steady_counts(p.pp_schedule if grid.pp_size > 1 else "1f1b", grid.pp_size, m)
     if counts is None:
         res = run_role(cfg, grid, rank, c)
         res.micro_batches_run = [m]

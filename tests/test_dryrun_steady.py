@@ -30,7 +30,7 @@ def test_steady_state_extrapolation_equals_the_full_count(extra):
     cfg = parse_args(flags).resolve(8, device_type="cuda")
     grid, c = RankGrid(8, 2, 2, 2), cluster("h100", 8)
     m = cfg.training.gradient_accumulation_steps
-    counts = steady_counts(cfg.parallel.pp_schedule, 2, m, cfg.parallel.virtual_stages)
+    counts = steady_counts(cfg.parallel.pp_schedule, 2, m)
     assert counts is not None
     for rank, _pad in rank_roles(grid, 1000):
         fast, full = run_role_steady(cfg, grid, rank, c), run_role(cfg, grid, rank, c)
@@ -43,7 +43,7 @@ def test_steady_state_extrapolation_equals_the_full_count(extra):
 def test_counts_and_integer_extrapolation():
     assert steady_counts("1f1b", 16, 128) == (17, 18) and steady_counts("1f1b", 1, 8) == (2, 3)
     assert steady_counts("gpipe", 4, 128) is None and steady_counts("1f1b", 4, 11) is None
-    assert steady_counts("interleaved", 4, 24, 2) == (8, 12)
+    assert steady_counts("interleaved", 4, 24) == (8, 12)
     assert extrapolate({"a": 10, "b": 7}, {"a": 12, "b": 7, "c": 1}, 3, 4, 10) == {"a": 24, "b": 7, "c": 7}
     assert extrapolate({"a": 10}, {"a": 13}, 4, 6, 9) is None  # 17.5: not a whole number
     assert extrapolate({"a": 10}, {"a": 5}, 1, 2, 9) is None  # negative

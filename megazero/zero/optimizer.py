@@ -234,7 +234,7 @@ class ZeroOptimizer:
             self._pieces = []
             for s, a in zip(segs, self._starts):
                 prev = self._pieces[-1] if self._pieces else None
-                if prev is not None and prev[1] == a and _adjacent(prev[2], s.param):
+                if prev is not None and prev[1] == a and host.adjacent(prev[2], s.param):
                     self._pieces[-1] = (prev[0], a + s.param.numel(),
                                         _extend(prev[2], s.param.numel()))
                 else:
@@ -519,10 +519,6 @@ class ZeroOptimizer:
             for s, a in zip(self.store.segments, self._starts):
                 s.param.copy_(self.master[a: a + s.param.numel()])
         self.store.after_step()
-
-
-def _adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return host.adjacent(a, b)
 
 
 def _extend(a: torch.Tensor, n: int) -> torch.Tensor:
