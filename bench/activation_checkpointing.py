@@ -10,17 +10,17 @@ settings, dropout 0.1 (CPU runs attention with dropout unfused, which is where s
 Columns, per rank (fp32, MB = 1e6 bytes):
 
 * device stash: bytes autograd saves for backward during the forward (saved-tensor hooks, de-duplicated by
-  storage, parameters excluded: :class:`megazero.metrics.ActivationMemoryCounter`, metrics.jsonl's
+  storage, parameters excluded: :class:`megazero.observe.memory.ActivationMemoryCounter`, metrics.jsonl's
   ``activation_peak_bytes``);
 * host: bytes ``cpu_checkpointing`` moved out of the autograd graph into host buffers (held between forward
   and backward). On CPU ranks this is the same RAM; the columns say where each byte is kept, not that it left;
 * recompute: what one recomputation saves during backward, the transient on top of the stash;
 * peak bound: stash + recompute (an upper bound on saved activations alive at once during backward);
-* estimate: :func:`megazero.estimate.activation_bytes` / ``recompute_bytes`` / ``checkpoint_host_bytes`` with
+* estimate: :func:`megazero.plan.estimate.activation_bytes` / ``recompute_bytes`` / ``checkpoint_host_bytes`` with
   the CPU kernels' settings (unfused attention with dropout, masks in fp32);
 
 Time is not reported: on the shared 2-core machine it is noise. Recomputation costs one more forward of
-each block (full: Megatron-LM's 96 vs 72 B·s·l·h² FLOPs, :func:`megazero.metrics.megatron_hardware_flops`)
+each block (full: Megatron-LM's 96 vs 72 B·s·l·h² FLOPs, :func:`megazero.observe.flops.megatron_hardware_flops`)
 or of the attention core (selective: 4·B·s²·h per layer).
 
 Prints a Markdown table.
@@ -37,10 +37,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megazero.config import ActivationCheckpointingConfig, ModelConfig, model_preset  # noqa: E402
-from megazero.estimate import activation_bytes, checkpoint_host_bytes, recompute_bytes  # noqa: E402
-from megazero.metrics import ActivationMemoryCounter  # noqa: E402
+from megazero.config.schema import ActivationCheckpointingConfig, ModelConfig, model_preset  # noqa: E402
 from megazero.model import GPT, init_parameters  # noqa: E402
+from megazero.observe.memory import ActivationMemoryCounter  # noqa: E402
+from megazero.plan.estimate import activation_bytes, checkpoint_host_bytes, recompute_bytes  # noqa: E402
 from megazero.tensor_parallel.random import RNGTracker  # noqa: E402
 from tests.dist import run_world  # noqa: E402
 

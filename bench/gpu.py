@@ -8,9 +8,9 @@
 
 Prints the GPU's name and torch version, a bf16 matmul ceiling measured on the spot (8192^3, median of 10),
 then for megazero and for the plain model: micro-batch, median step time, tokens/s, model TFLOP/s per GPU
-(Megatron-LM's FLOPs count, metrics.megatron_model_flops), MFU against the card's dense bf16 peak
-(metrics.PEAK_FLOPS) and against the measured ceiling, peak device memory and, for megazero, the memory
-estimator's figure (megazero/estimate.py). The micro-batch is the largest power of two the estimator says
+(Megatron-LM's FLOPs count, megazero.observe.flops.megatron_model_flops), MFU against the card's dense bf16 peak
+(megazero.observe.flops.PEAK_FLOPS) and against the measured ceiling, peak device memory and, for megazero, the memory
+estimator's figure (megazero/plan/estimate.py). The micro-batch is the largest power of two the estimator says
 fits in 90% of the device, lowered by halving on out-of-memory; both models use the one megazero ran.
 ``--json`` writes every figure. ``--offload`` sizes a GPT (hidden 4096, 32 heads, layers grown) to the
 largest the estimator says fits the host memory (fp32 master + Adam moments + an fp32 gradient copy:
@@ -32,13 +32,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.plain_gpt import PlainGPT, make_optimizer  # noqa: E402
-from megazero.cli import parse_args  # noqa: E402
-from megazero.config import ModelConfig, model_preset  # noqa: E402
-from megazero.distributed import init_distributed  # noqa: E402
-from megazero.engine import Engine  # noqa: E402
-from megazero.estimate import activation_bytes, model_state_bytes, padded_vocab_size  # noqa: E402
-from megazero.metrics import megatron_model_flops, peak_flops_per_device  # noqa: E402
-from megazero.parallel_context import ParallelContext, RankGrid  # noqa: E402
+from megazero.config.cli import parse_args  # noqa: E402
+from megazero.config.schema import ModelConfig, model_preset  # noqa: E402
+from megazero.distributed.context import ParallelContext, RankGrid  # noqa: E402
+from megazero.distributed.launch import init_distributed  # noqa: E402
+from megazero.observe.flops import megatron_model_flops, peak_flops_per_device  # noqa: E402
+from megazero.plan.estimate import activation_bytes, model_state_bytes, padded_vocab_size  # noqa: E402
+from megazero.train.engine import Engine  # noqa: E402
 
 HOST_BYTES_PER_PARAM = 16  # offload: fp32 master 4 + Adam moments 8 + the fp32 gradient partition copy 4
 

@@ -20,12 +20,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megazero.cli import parse_args  # noqa: E402
-from megazero.config import LossScaleConfig, OptimizerConfig, ZeroConfig, model_preset  # noqa: E402
-from megazero.distributed import Group  # noqa: E402
-from megazero.engine import Engine  # noqa: E402
-from megazero.estimate import model_state_bytes  # noqa: E402
+from megazero.config.cli import parse_args  # noqa: E402
+from megazero.config.schema import LossScaleConfig, OptimizerConfig, ZeroConfig, model_preset  # noqa: E402
+from megazero.distributed.group import Group  # noqa: E402
 from megazero.model import GPT, init_parameters  # noqa: E402
+from megazero.plan.estimate import model_state_bytes  # noqa: E402
+from megazero.train.engine import Engine  # noqa: E402
 from megazero.zero import ZeroOptimizer  # noqa: E402
 from tests.dist import run_world  # noqa: E402
 

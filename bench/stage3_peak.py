@@ -17,9 +17,9 @@ from dataclasses import replace
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from megazero.cli import parse_args
+from megazero.config.cli import parse_args
 from megazero.data import build_datasets, resolve_tokenizer
-from megazero.engine import Engine
+from megazero.train.engine import Engine
 from tests.dist import run_world
 
 MODEL = ["--num-layers", "6", "--hidden-size", "256", "--num-heads", "4", "--seq-len", "64", "--vocab-size", "2048"]

@@ -17,9 +17,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megazero.config import model_preset  # noqa: E402
-from megazero.metrics import ActivationMemoryCounter  # noqa: E402
+from megazero.config.schema import model_preset  # noqa: E402
 from megazero.model import GPT, init_parameters  # noqa: E402
+from megazero.observe.memory import ActivationMemoryCounter  # noqa: E402
 from tests.dist import run_world  # noqa: E402
 
 

@@ -11,7 +11,7 @@ only, identical everywhere), gradient clipping at the same global norm, in fp32,
 * ``mz0`` .. ``mz3``: :class:`megazero.zero.ZeroOptimizer` at that stage with its default settings (the
   defaults of DeepSpeed's ``zero_optimization`` block); ``mz3-p0`` is stage 3 with
   ``stage3_param_persistence_threshold`` 0, i.e. every parameter sharded, as FSDP2 does.
-  ``engine0`` .. ``engine3`` (not run by default) go through :class:`megazero.engine.Engine` instead, the
+  ``engine0`` .. ``engine3`` (not run by default) go through :class:`megazero.train.engine.Engine` instead, the
   production step (token count and loss all-reduces, activation accounting).
 * ``ddp``: ``DistributedDataParallel`` + ``torch.optim.AdamW`` + ``clip_grad_norm_``.
 * ``torch-zero1``: DDP + ``torch.distributed.optim.ZeroRedundancyOptimizer`` (optimizer-state sharding).
@@ -63,7 +63,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-from megazero.config import PRESETS, ModelConfig, OptimizerConfig, ZeroConfig, model_preset  # noqa: E402
+from megazero.config.schema import PRESETS, ModelConfig, OptimizerConfig, ZeroConfig, model_preset  # noqa: E402
 from megazero.model import GPT, init_parameters  # noqa: E402
 from tests.dist import WorldError, run_world  # noqa: E402
 
@@ -242,7 +242,7 @@ def _mz_state_bytes(opt) -> int:
 
 def _setup_megazero(ctx, c: Contender, cfg: ModelConfig, opt_cfg: OptimizerConfig, tokens: int, precision: str,
                     **_) -> Setup:
-    from megazero.memory import zero_buffers
+    from megazero.observe.memory import zero_buffers
     from megazero.zero import ZeroOptimizer
 
     model = _model(cfg)
@@ -261,8 +261,8 @@ def _setup_megazero(ctx, c: Contender, cfg: ModelConfig, opt_cfg: OptimizerConfi
 
 def _setup_engine(ctx, c: Contender, cfg: ModelConfig, opt_cfg: OptimizerConfig, tokens: int, micro: int,
                   **_) -> Setup:
-    from megazero.config import Config, SchedulerConfig, TrainingConfig
-    from megazero.engine import Engine
+    from megazero.config.schema import Config, SchedulerConfig, TrainingConfig
+    from megazero.train.engine import Engine
 
     conf = Config(model=cfg, zero=ZeroConfig(stage=c.stage, **c.zero), optimizer=opt_cfg,
                   scheduler=SchedulerConfig(name="constant"),
@@ -414,7 +414,7 @@ def _rank_run(ctx, c: Contender, cfg: ModelConfig, opt_cfg: OptimizerConfig, mic
     dist.all_reduce(loss)
     step_peak = None
     if peak:  # one more step, untimed, under megazero's tracker (it slows the step it measures)
-        from megazero.memory import PeakMemoryTracker
+        from megazero.observe.memory import PeakMemoryTracker
 
         tracker = PeakMemoryTracker("cpu", setup.buffers, setup.forward_modules,
                                     baseline=lambda: held_tensors(setup.roots))
@@ -603,7 +603,7 @@ def _render_peaks(record: dict) -> None:
         return
     mz0 = next((max(r["state_bytes"] for r in pr) for n, pr in rows if n == "mz0"), None)
     cats = ("params", "grads", "master_params", "optimizer_states", "activations", "comm_buffers", "other")
-    print(f"\nPeak of live tensors per rank during one step (megazero/memory.py's tracker, MB = 1e6 bytes; the "
+    print(f"\nPeak of live tensors per rank during one step (megazero/observe/memory.py's tracker, MB = 1e6 bytes; the "
           f"rank with the largest peak; categories for that rank: {', '.join(cats)}):\n")
     print("| contender | peak, largest rank (MB) | peak, smallest rank (MB) | " + " | ".join(cats)
           + " | model states at rest (MB) | states / stage-0 states | formula (fp32, dp 4) |")

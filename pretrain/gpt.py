@@ -22,20 +22,20 @@ except ImportError:  # running from a checkout without `pip install -e .`
 
 import torch
 
-from megazero.cli import parse_args
-from megazero.config import ConfigError
-from megazero.distributed import default_backend, destroy_distributed, detect_env, init_distributed
-from megazero.log import setup_logging
-from megazero.parallel_context import ParallelContext, RankGrid, TopologyError
-from megazero.trainer import run_training
+from megazero.config.cli import parse_args
+from megazero.config.schema import ConfigError
+from megazero.distributed.context import ParallelContext, RankGrid, TopologyError
+from megazero.distributed.launch import default_backend, destroy_distributed, detect_env, init_distributed
+from megazero.observe.log import setup_logging
+from megazero.train.loop import run_training
 
 
 def dry_run_main(argv: list[str]) -> int:
-    """``--dry-run``: one step per rank role of the whole topology in this process (megazero/dryrun.py)."""
+    """``--dry-run``: one step per rank role of the whole topology in this process (megazero/plan/dryrun.py)."""
     import argparse
 
-    from megazero.dryrun import dry_run, format_report
-    from megazero.roofline import GPUS, cluster
+    from megazero.plan.dryrun import dry_run, format_report
+    from megazero.plan.roofline import GPUS, cluster
 
     p = argparse.ArgumentParser(prog="pretrain/gpt.py --dry-run", add_help=False)
     p.add_argument("--dry-run", action="store_true")

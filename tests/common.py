@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from megazero.cli import parse_args
-from megazero.trainer import run_training
+from megazero.config.cli import parse_args
+from megazero.train.loop import run_training
 
 # A 2-layer GPT on the built-in corpus: 10 steps of global batch 8 take about a second per rank.
 SMALL_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-heads", "4", "--seq-len", "32",

@@ -1,7 +1,7 @@
 """The one helper that starts gloo worlds on CPU for distributed tests.
 
 ``run_world(fn, world_size, tp=.., pp=..)`` forks ``world_size`` processes, gives each a process group over
-gloo and its :class:`~megazero.parallel_context.ParallelContext`, calls ``fn(ctx, *args)`` on every rank and
+gloo and its :class:`~megazero.distributed.context.ParallelContext`, calls ``fn(ctx, *args)`` on every rank and
 returns the list of per-rank results (they must pickle). A rank that raises makes ``run_world`` raise with
 that rank's traceback; a world that does not finish within ``timeout`` is killed and reported.
 
@@ -26,7 +26,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from megazero.distributed import Group, _Done
+from megazero.distributed.group import Group, _Done
 
 __all__ = ["HostP2PGroup", "WorldError", "run_world"]
 
@@ -61,7 +61,7 @@ def _rank_main(rank: int, world_size: int, ports: mp.Queue, over: Any, grid_kwar
         import torch
         import torch.distributed as dist
 
-        from megazero.parallel_context import ParallelContext, RankGrid
+        from megazero.distributed.context import ParallelContext, RankGrid
 
         torch.set_num_threads(1)
         timeout = datetime.timedelta(seconds=dist_timeout)

@@ -94,7 +94,7 @@ def reference_batches(num_samples: int, spec: RefSpec, steps: int, start: int = 
 
 def _initial_state(spec: RefSpec) -> dict[str, torch.Tensor]:
     """megazero's initial full model (shared by design: every topology starts from it), unpadded."""
-    from megazero.config import ModelConfig
+    from megazero.config.schema import ModelConfig
     from megazero.model.gpt import GPT, full_state_dict, init_parameters
 
     cfg = ModelConfig(num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_heads=spec.num_heads,
@@ -107,7 +107,7 @@ def _initial_state(spec: RefSpec) -> dict[str, torch.Tensor]:
 def _hf_model(spec: RefSpec, state: dict[str, torch.Tensor]):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from megazero.config import ModelConfig
+    from megazero.config.schema import ModelConfig
     from megazero.model.hf import hf_gpt2_config, to_hf_gpt2_state_dict
 
     cfg = ModelConfig(num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_heads=spec.num_heads,

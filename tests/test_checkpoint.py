@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megazero.checkpoint import FAULT_ENV, CheckpointReader, find_checkpoint, list_checkpoints
-from megazero.cli import parse_args
-from megazero.trainer import run_training
+from megazero.checkpoint.sharded import FAULT_ENV, CheckpointReader, find_checkpoint, list_checkpoints
+from megazero.config.cli import parse_args
+from megazero.train.loop import run_training
 from tests import launch
 from tests.common import SMALL_FLAGS, assert_matches_reference, merge_runs, normwise_error, train_runs
 from tests.dist import WorldError, run_world
@@ -41,7 +41,7 @@ def _records(log_dir: Path) -> list[dict]:
 def _reshard_chain(ctx, cache: str, log_dir: str, ck: str) -> list[tuple[list[float], dict | None]]:
     """One 8-rank world, three topologies: A trains 3 steps at tp2·pp2·dp2·ZeRO-3 and saves; E loads A at
     tp1·pp2·dp4·ZeRO-1 and trains to step 6 (saving steps 4 and 6); D loads E's step 4 back at A's topology."""
-    from megazero.parallel_context import ParallelContext, RankGrid
+    from megazero.distributed.context import ParallelContext, RankGrid
 
     z3 = [*TP2_PP2_DP2_Z3, "--deepspeed-config", f"{ck}/z3.json"]
     runs = [((2, 2), [*z3, "--train-steps", "3", "--lr-decay-steps", "6", "--save", f"{ck}/a"]),

@@ -1,10 +1,10 @@
 """Activation checkpointing: parity with the run that keeps every activation, dropout masks reproduced by the
-recomputation, and the measured activation bytes per rank against :mod:`megazero.estimate`.
+recomputation, and the measured activation bytes per rank against :mod:`megazero.plan.estimate`.
 
-Memory is measured as :class:`~megazero.metrics.ActivationMemoryCounter` does (the bytes autograd saves for
+Memory is measured as :class:`~megazero.observe.memory.ActivationMemoryCounter` does (the bytes autograd saves for
 backward during a forward, de-duplicated by storage, parameters excluded): that is the *device* stash. What
 ``cpu_checkpointing`` moved out of the graph into host buffers is counted by
-:class:`~megazero.tensor_parallel.checkpointing.CheckpointStats` (``host_bytes``), and the transient that one
+:class:`~megazero.tensor_parallel.recompute.CheckpointStats` (``host_bytes``), and the transient that one
 recomputation saves during backward by ``recompute_peak_bytes``. On these CPU ranks host and "device" are the
 same RAM, so the split is a bookkeeping of where each byte lives, not a saving of physical memory.
 """
@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from megazero.cli import parse_args
-from megazero.config import ActivationCheckpointingConfig, ConfigError, ModelConfig
-from megazero.estimate import activation_bytes, checkpoint_host_bytes, recompute_bytes
-from megazero.metrics import ActivationMemoryCounter
+from megazero.config.cli import parse_args
+from megazero.config.schema import ActivationCheckpointingConfig, ConfigError, ModelConfig
 from megazero.model import GPT, init_parameters
-from megazero.tensor_parallel import checkpointing
+from megazero.observe.memory import ActivationMemoryCounter
+from megazero.plan.estimate import activation_bytes, checkpoint_host_bytes, recompute_bytes
+from megazero.tensor_parallel import recompute
 from megazero.tensor_parallel.random import RNGTracker
 from tests.common import SMALL_FLAGS, assert_matches_reference, merge_runs, train_runs
 from tests.dist import run_world
@@ -77,7 +77,7 @@ def test_recomputation_reproduces_dropout_masks_and_rng_streams(monkeypatch, one
         assert torch.equal(grads, ref_grads), (mode, cpu)
         assert torch.equal(rng, ref_rng) and torch.equal(tracker, ref_tracker), (mode, cpu)
     # control: without restoring the RNG state the recomputation draws other masks and the gradients differ
-    monkeypatch.setattr(checkpointing, "_set_rng_state", lambda *args: None)
+    monkeypatch.setattr(recompute, "_set_rng_state", lambda *args: None)
     for mode in ("selective", "full"):
         _, grads, _, _ = _train_twice(mode, False)
         assert not torch.allclose(grads, ref_grads, rtol=1e-3, atol=0), mode
@@ -87,14 +87,14 @@ def test_checkpoint_refuses_inputs_without_grad():
     """Autograd would never call the recomputation, leaving the parameters inside without gradients."""
     layer = torch.nn.Linear(4, 4)
     with pytest.raises(ValueError, match="needs an input that requires grad"):
-        checkpointing.checkpoint(layer, torch.ones(2, 4), options=checkpointing.CheckpointOptions())
+        recompute.checkpoint(layer, torch.ones(2, 4), options=recompute.CheckpointOptions())
 
 
 def _partition_round_trip(ctx) -> bool:
     x = torch.arange(21.0).view(3, 7)  # 21 elements: the last rank's slice is zero-padded
-    part = checkpointing.partition_tensor(x, ctx.tp_group)
+    part = recompute.partition_tensor(x, ctx.tp_group)
     assert part.numel() == 11
-    return torch.equal(checkpointing.gather_partition(part, ctx.tp_group, x.shape), x)
+    return torch.equal(recompute.gather_partition(part, ctx.tp_group, x.shape), x)
 
 
 def test_partition_round_trip_with_padding():

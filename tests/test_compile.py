@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from megazero.cli import parse_args
-from megazero.config import ConfigError
+from megazero.config.cli import parse_args
+from megazero.config.schema import ConfigError
 from tests.common import assert_matches_reference, normwise_error, train_runs
 from tests.dist import run_world
 

@@ -10,10 +10,17 @@ from typing import Any
 
 import pytest
 
-from megazero.cli import build_parser, parse_args
-from megazero.config import PRESETS, Config, ConfigError, ConfigWarning, SchedulerConfig, resolve_config
-from megazero.ds_config import IGNORED_KEYS, NOT_SUPPORTED_KEYS, SUPPORTED_KEYS, load_deepspeed_config
-from megazero.lr_schedule import lr_at
+from megazero.config.cli import build_parser, parse_args
+from megazero.config.deepspeed import IGNORED_KEYS, NOT_SUPPORTED_KEYS, SUPPORTED_KEYS, load_deepspeed_config
+from megazero.config.schema import (
+    PRESETS,
+    Config,
+    ConfigError,
+    ConfigWarning,
+    SchedulerConfig,
+    resolve_config,
+)
+from megazero.train.lr_schedule import lr_at
 
 
 def ds_args(tmp_path: Path, ds: dict[str, Any], *argv: str) -> Config:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megazero.metrics import ActivationMemoryCounter
+from megazero.observe.memory import ActivationMemoryCounter
 from megazero.tensor_parallel import IGNORE_INDEX, vocab_parallel_cross_entropy
 from tests.dist import run_world
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megazero.dashboard import GIB, memory_series, rank_peaks
+from megazero.observe.dashboard import GIB, memory_series, rank_peaks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,7 +62,7 @@ def check_dashboard(log_dir: Path, records: list[dict], n_ranks: int) -> dict[st
 def test_wandb_dashboard_and_plots_from_metrics(tmp_path, monkeypatch) -> None:
     import wandb
 
-    from megazero.metrics import MetricsWriter
+    from megazero.observe.metrics import MetricsWriter
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

@@ -1,4 +1,4 @@
-"""The dry run (megazero/dryrun.py): the real step on a fake process group and the meta device.
+"""The dry run (megazero/plan/dryrun.py): the real step on a fake process group and the meta device.
 
 * faithful: tests/test_dryrun_faithful.py (every figure against real gloo runs over a covering set);
 * offload: offloaded states are reported as host bytes, outside the device peak;
@@ -15,10 +15,11 @@ import os
 import pytest
 import torch
 
-from megazero.cli import parse_args
-from megazero.dryrun import dry_run, format_report, rank_roles, run_role
-from megazero.parallel_context import RankGrid
-from megazero.roofline import cluster
+from megazero.config.cli import parse_args
+from megazero.distributed.context import RankGrid
+from megazero.plan.dryrun import dry_run, format_report
+from megazero.plan.role import PlaceholderHost, rank_roles, run_role
+from megazero.plan.roofline import cluster
 
 TOPO = ["--tp", "2", "--pp", "2", "--dp", "2", "--global-batch-size", "8", "--micro-batch-size", "2"]
 
@@ -69,7 +70,7 @@ def test_offloaded_states_are_host_bytes_outside_the_device_peak():
 
 
 def test_a_cpu_tensor_in_a_collective_fails_the_dry_run(monkeypatch):
-    from megazero.engine import Engine
+    from megazero.train.engine import Engine
 
     def host_side_tokens(self, micro_batches):  # the bug NCCL refuses: a host tensor in a collective
         n = torch.ones(1, dtype=torch.float64)
@@ -106,22 +107,22 @@ def test_command_line(tmp_path):
 
 
 def test_host_seam_is_scoped_and_tells_meta_storages_apart():
-    from megazero import host
+    from megazero.distributed import device_io
 
     t = torch.tensor([1.5, 2.0])
-    assert host.read(t) == [1.5, 2.0]
+    assert device_io.read(t) == [1.5, 2.0]
     a = torch.empty(8, device="meta")
-    with host.use(host.PlaceholderHost(3.0)) as h:
-        assert host.read(a[:2]) == [3.0, 3.0] and host.read(t) == [1.5, 2.0] and h.reads == 2
-    assert isinstance(host.current(), host.DeviceHost) and not isinstance(host.current(), host.PlaceholderHost)
+    with device_io.use(PlaceholderHost(3.0)) as h:
+        assert device_io.read(a[:2]) == [3.0, 3.0] and device_io.read(t) == [1.5, 2.0] and h.reads == 2
+    assert isinstance(device_io.current(), device_io.DeviceHost) and not isinstance(device_io.current(), PlaceholderHost)
     with pytest.raises(NotImplementedError):
-        host.read(a)  # outside the dry run a meta read fails, as it should
+        device_io.read(a)  # outside the dry run a meta read fails, as it should
     b = torch.empty(8, device="meta")
-    assert host.storage_key(a) == host.storage_key(a[3:]) != host.storage_key(b)
+    assert device_io.storage_key(a) == device_io.storage_key(a[3:]) != device_io.storage_key(b)
 
 
 def test_a_pipeline_order_that_deadlocks_under_nccl_fails_the_verdict(monkeypatch):
-    import megazero.dryrun as dr
+    import megazero.plan.dryrun as dr
 
     real_replay = dr.replay
     # rank 0 issuing its batched calls in reverse order: its first call waits for a gradient never produced
@@ -133,15 +134,15 @@ def test_a_pipeline_order_that_deadlocks_under_nccl_fails_the_verdict(monkeypatc
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
 def test_host_same_data_and_adjacent_agree_with_pointers(device):
-    from megazero import host
+    from megazero.distributed import device_io
 
     a = torch.empty(10, device=device)
     b = torch.empty(10, device=device)
-    assert host.same_data(a[2:], a[2:5]) and not host.same_data(a, a[1:]) and not host.same_data(a, b)
-    assert host.adjacent(a[:4], a[4:]) and not host.adjacent(a[:4], a[5:]) and not host.adjacent(a, b)
+    assert device_io.same_data(a[2:], a[2:5]) and not device_io.same_data(a, a[1:]) and not device_io.same_data(a, b)
+    assert device_io.adjacent(a[:4], a[4:]) and not device_io.adjacent(a[:4], a[5:]) and not device_io.adjacent(a, b)
     if device == "cpu":  # the same answers as data pointers give
-        assert host.same_data(a[2:], a[2:5]) == (a[2:].data_ptr() == a[2:5].data_ptr())
-        assert host.adjacent(a[:4], a[4:]) == (a[:4].data_ptr() + 16 == a[4:].data_ptr())
+        assert device_io.same_data(a[2:], a[2:5]) == (a[2:].data_ptr() == a[2:5].data_ptr())
+        assert device_io.adjacent(a[:4], a[4:]) == (a[:4].data_ptr() + 16 == a[4:].data_ptr())
 
 
 def test_tied_stages_use_the_bucket_a_real_run_agrees_on():

@@ -1,4 +1,4 @@
-"""The dry run (megazero/dryrun.py) is faithful: every figure it reports for a rank role equals what a real gloo
+"""The dry run (megazero/plan/dryrun.py) is faithful: every figure it reports for a rank role equals what a real gloo
 run of the same topology measures on that rank.
 
 A pairwise covering array over ZeRO stage (0-3) x pipeline schedule (gpipe, 1f1b, interleaved) x recomputation
@@ -17,7 +17,7 @@ the dry run then runs every rank role of each setting on the meta device, and fo
 The real peak is the larger of the first two steps: buffers allocated on first use (ZeRO-2's staging pool)
 make the second step's peak higher than the first's, and the dry run runs a second step when its first
 leaves such buffers. The real run measures host memory the way a GPU run does: offloaded states are allocated
-through :class:`megazero.host.EmulatedHost` on the CPU, so the tracker leaves them out of the device peak and
+through :class:`megazero.distributed.device_io.EmulatedHost` on the CPU, so the tracker leaves them out of the device peak and
 ``offloaded_bytes`` counts them, as on a GPU, where they are CPU tensors and the device is CUDA.
 """
 
@@ -34,9 +34,9 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from megazero.cli import parse_args
-from megazero.dryrun import rank_roles, run_role
-from megazero.parallel_context import RankGrid
+from megazero.config.cli import parse_args
+from megazero.distributed.context import RankGrid
+from megazero.plan.role import rank_roles, run_role
 from tests.dist import run_world
 
 # of the real peak, on activations + other and on the total (the model-state categories are exact). Measured:
@@ -111,16 +111,16 @@ def _cfg(topo: tuple, flags: list[str]):
 def _real_steps(ctx, topo: tuple, runs: list[list[str]]):
     """Two real steps per setting on this gloo rank: states after them, each step's ledger, the larger tracked
     peak (the peak a run reaches, whichever step it falls in)."""
-    from megazero import host
-    from megazero.engine import Engine
-    from megazero.memory import PeakMemoryTracker, zero_buffers
+    from megazero.distributed import device_io
+    from megazero.observe.memory import PeakMemoryTracker, zero_buffers
+    from megazero.train.engine import Engine
 
     out = []
     for flags in runs:
         cfg = _cfg(topo, flags)
         # offloaded states in host memory apart from the device, as on a GPU; attention on SDPA's math path,
         # which is what the meta device runs (no fused kernel is chosen for meta tensors)
-        with host.use(host.EmulatedHost("cpu")), sdpa_kernel(SDPBackend.MATH):
+        with device_io.use(device_io.EmulatedHost("cpu")), sdpa_kernel(SDPBackend.MATH):
             engine = Engine(cfg, ctx, torch.device("cpu"))
             ctx.ledger.mark_step()  # the steps' volumes only (the dry run leaves construction out too)
             g = torch.Generator().manual_seed(ctx.dp_rank)
@@ -128,7 +128,7 @@ def _real_steps(ctx, topo: tuple, runs: list[list[str]]):
             batch = []
             for _ in range(t.gradient_accumulation_steps):  # collated in host memory, moved to the device in the step
                 ids = torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, cfg.model.seq_len), generator=g)
-                kept = host.empty(ids.numel(), ids.dtype).view(ids.shape).copy_(ids)
+                kept = device_io.empty(ids.numel(), ids.dtype).view(ids.shape).copy_(ids)
                 batch.append((kept, kept))
             peaks, ledgers = [], []
             for _step in range(2):  # the first step may allocate buffers that later steps start with

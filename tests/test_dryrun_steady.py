@@ -1,6 +1,6 @@
-"""megazero/dryrun_steady.py: a role's figures from two small micro-batch counts equal a full-count dry run's.
+"""megazero/plan/extrapolate.py: a role's figures from two small micro-batch counts equal a full-count dry run's.
 
-The reference is :func:`megazero.dryrun.run_role` at the full count (itself checked against real gloo runs in
+The reference is :func:`megazero.plan.dryrun.run_role` at the full count (itself checked against real gloo runs in
 tests/test_dryrun_faithful.py); the fast path must give the same peak (total and by category), states,
 ledger entries, host reads and roofline, and must actually have taken the short counts.
 """
@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from megazero.cli import parse_args
-from megazero.dryrun import dry_run, rank_roles, run_role
-from megazero.dryrun_steady import extrapolate, run_role_steady, steady_counts
-from megazero.parallel_context import RankGrid
-from megazero.roofline import cluster
+from megazero.config.cli import parse_args
+from megazero.distributed.context import RankGrid
+from megazero.plan.dryrun import dry_run
+from megazero.plan.extrapolate import extrapolate, run_role_steady, steady_counts
+from megazero.plan.role import rank_roles, run_role
+from megazero.plan.roofline import cluster
 
 TINY = ["--hidden-size", "64", "--num-heads", "4", "--seq-len", "16", "--vocab-size", "1000", "--micro-batch-size", "1"]
 

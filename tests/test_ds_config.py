@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from megazero.cli import parse_args
-from megazero.config import ConfigError, ConfigWarning
+from megazero.config.cli import parse_args
+from megazero.config.schema import ConfigError, ConfigWarning
 from tests.dist import run_world
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "ds_configs"
@@ -79,7 +79,7 @@ def test_accepted_configs_warn_as_promised() -> None:
 
 
 def _train_fixtures(ctx, cache: str, log_dir: str) -> dict[str, list[float]]:
-    from megazero.trainer import run_training
+    from megazero.train.loop import run_training
 
     runs = {"hf_trainer_zero2.json": ["--micro-batch-size", "2", "--global-batch-size", "8"],
             "hf_trainer_zero3.json": ["--micro-batch-size", "2", "--global-batch-size", "8"],

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megazero.cli import parse_args
+from megazero.config.cli import parse_args
 from megazero.generate import (
     SamplingConfig,
     forward_step,
@@ -20,7 +20,7 @@ from megazero.generate import (
     load_tokenizer,
     sample_next,
 )
-from megazero.trainer import run_training
+from megazero.train.loop import run_training
 from tests.dist import run_world
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -173,7 +173,7 @@ def test_sampling_filters() -> None:
 def _parallel(ctx, ckpt: str, flags_file: str, log_dir: str) -> dict:
     """One 2-rank world: the tool's loader at tp=2 (greedy and sampled), then --sample-prompts training runs at
     tp=2, pp=2 and dp=2 with ZeRO-3, each resuming the one-process checkpoint."""
-    from megazero.parallel_context import ParallelContext, RankGrid
+    from megazero.distributed.context import ParallelContext, RankGrid
 
     sub = {k: ParallelContext.from_grid(RankGrid.from_world(2, tp_size=t, pp_size=p))
            for k, (t, p) in {"tp": (2, 1), "pp": (1, 2)}.items()}

@@ -36,8 +36,8 @@ def _no_tf32() -> None:
 
 def device_train_runs(ctx, runs: list[list[str]], cache: str, log_dir: str) -> list[tuple[list[float], dict | None]]:
     """:func:`tests.common.train_runs` on the world's device (the GPU in ``cuda=True`` worlds), TF32 off."""
-    from megazero.cli import parse_args
-    from megazero.trainer import run_training
+    from megazero.config.cli import parse_args
+    from megazero.train.loop import run_training
 
     _no_tf32()
     out = []
@@ -101,8 +101,8 @@ def test_multi_rank_worlds_on_one_gpu_match_one_cuda_process(data_cache, tmp_pat
 
 def _sync_counts(ctx, cache: str) -> dict[int, list[int]]:
     """Host synchronisations per training step at ZeRO stages 0-2, counted by torch's sync debug mode."""
-    from megazero.cli import parse_args
-    from megazero.engine import Engine
+    from megazero.config.cli import parse_args
+    from megazero.train.engine import Engine
 
     out = {}
     gen = torch.Generator().manual_seed(0)
@@ -139,8 +139,8 @@ def test_attention_runs_a_fused_kernel_in_bf16():
     the model's attention in bf16 must succeed."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from megazero.config import ModelConfig
-    from megazero.distributed import Group
+    from megazero.config.schema import ModelConfig
+    from megazero.distributed.group import Group
     from megazero.model.gpt import CausalSelfAttention
 
     device = torch.device("cuda", torch.cuda.current_device())

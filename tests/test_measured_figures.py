@@ -13,8 +13,8 @@ import weakref
 
 import torch
 
-from megazero.cli import parse_args
-from megazero.engine import Engine
+from megazero.config.cli import parse_args
+from megazero.train.engine import Engine
 from tests.dist import run_world
 
 

@@ -1,4 +1,4 @@
-"""The measured peak of a step (megazero/memory.py) and the estimator's prediction of it (megazero/estimate.py).
+"""The measured peak of a step (megazero/observe/memory.py) and the estimator's prediction of it (megazero/plan/estimate.py).
 
 The tracker is checked against bytes it can be told exactly (allocations, views, storage resizes, frees) and
 against an independent tracker, torch's ``MemTracker``, on a step both can follow (one forward). The records
@@ -12,8 +12,8 @@ import json
 import torch
 from torch import nn
 
-from megazero.memory import CATEGORIES, PeakMemoryTracker
-from megazero.metrics import wandb_series
+from megazero.observe.memory import CATEGORIES, PeakMemoryTracker
+from megazero.observe.metrics import wandb_series
 
 MB = 1 << 20
 
@@ -87,8 +87,8 @@ def test_tracker_agrees_with_torch_memtracker():
 
 
 def _short_run(ctx, cache: str, log_dir: str) -> None:
-    from megazero.cli import parse_args
-    from megazero.trainer import run_training
+    from megazero.config.cli import parse_args
+    from megazero.train.loop import run_training
     from tests.common import SMALL_FLAGS
 
     cfg = parse_args([*SMALL_FLAGS, "--train-steps", "3", "--log-interval", "2", "--micro-batch-size", "4",
@@ -130,9 +130,9 @@ PEAK_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-heads", "4", "-
 def _measured_peaks(ctx, runs, cache: str) -> list[tuple]:
     from dataclasses import replace
 
-    from megazero.cli import parse_args
-    from megazero.engine import Engine
-    from megazero.memory import zero_buffers
+    from megazero.config.cli import parse_args
+    from megazero.observe.memory import zero_buffers
+    from megazero.train.engine import Engine
 
     out = []
     for stage, recompute, offload in runs:
@@ -156,7 +156,7 @@ def _measured_peaks(ctx, runs, cache: str) -> list[tuple]:
 def test_measured_peak_matches_the_estimate(data_cache):
     """Every run of the covering array: the measured peak is at most 5% above the estimate, and at most 5% (or
     one gradient buffer e·Ψ_r, where staging fills only as activations are freed) below it."""
-    from megazero.estimate import peak_bytes, rank_parameter_numels
+    from megazero.plan.estimate import peak_bytes, rank_parameter_numels
     from tests.dist import run_world
 
     lines, bad = [], 0
@@ -188,8 +188,8 @@ def test_measured_peak_matches_the_estimate(data_cache):
 def _default_bucket_peak(ctx, stage: int) -> tuple[dict, int]:
     """A tracked step at ``stage`` with the default buckets on a 36M-parameter MLP (above the 2^20-element
     bucket floor, so stage 2's staging pool follows Ψ/16): the peak by category and the rank's Ψ."""
-    from megazero.config import OptimizerConfig, ZeroConfig
-    from megazero.memory import zero_buffers
+    from megazero.config.schema import OptimizerConfig, ZeroConfig
+    from megazero.observe.memory import zero_buffers
     from megazero.zero import ZeroOptimizer
 
     torch.manual_seed(0)

@@ -17,9 +17,9 @@ import torch
 
 import megazero.model.gpt as gpt
 import megazero.model.kernels as kernels
-from megazero.cli import parse_args
-from megazero.dryrun import run_role
-from megazero.parallel_context import RankGrid
+from megazero.config.cli import parse_args
+from megazero.distributed.context import RankGrid
+from megazero.plan.role import run_role
 
 B, S, H, HEADS = 2, 48, 128, 4
 
@@ -91,20 +91,20 @@ def _block_saved_bytes(device: str, dropout: float) -> int:
     """Bytes of the distinct storages one bf16 GPT-2 block saves for backward on ``device`` (parameters left
     out; the block's input, which the first LayerNorm saves, counted), seen by saved-tensor hooks; meta tensors
     run CUDA's kernels."""
-    from megazero import host
-    from megazero.config import ModelConfig
+    from megazero.config.schema import ModelConfig
+    from megazero.distributed import device_io
     from megazero.model.gpt import Block
 
     cfg = ModelConfig(num_layers=1, hidden_size=H, num_heads=HEADS, seq_len=S, vocab_size=256, dropout=dropout)
     with torch.device(device):
         block = Block(cfg, None).to(torch.bfloat16)
         x = torch.randn(B, S, H, dtype=torch.bfloat16, requires_grad=True)
-    skip = {host.storage_key(p) for p in block.parameters()}
+    skip = {device_io.storage_key(p) for p in block.parameters()}
     saved: dict[int, torch.Tensor] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if host.storage_key(t) not in skip:
-            saved[host.storage_key(t)] = t  # held, so that no storage is freed and its key reused meanwhile
+        if device_io.storage_key(t) not in skip:
+            saved[device_io.storage_key(t)] = t  # held, so that no storage is freed and its key reused meanwhile
         return t
 
     with kernels.emulate("cuda"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

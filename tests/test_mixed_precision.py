@@ -117,9 +117,9 @@ def _snapshot(engine) -> dict[str, torch.Tensor]:
 
 
 def _overflow_world(ctx, cache: str, ds: str) -> dict:
-    from megazero.cli import parse_args
-    from megazero.engine import Engine
-    from megazero.parallel_context import ParallelContext, RankGrid
+    from megazero.config.cli import parse_args
+    from megazero.distributed.context import ParallelContext, RankGrid
+    from megazero.train.engine import Engine
 
     out = {}
     for dim in ("tp", "pp"):

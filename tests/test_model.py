@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megazero.config import ModelConfig, model_preset
-from megazero.distributed import Group
+from megazero.config.schema import ModelConfig, model_preset
+from megazero.distributed.group import Group
 from megazero.model import GPT, init_parameters
 from megazero.model.gpt import CausalSelfAttention
 from megazero.model.hf import hf_gpt2_config, to_hf_gpt2_state_dict

@@ -1,7 +1,7 @@
 """Observability: measured per-rank memory vs the estimator, W&B offline series, plots, MFU arithmetic.
 
 One gloo world per topology trains a small GPT at every ZeRO stage (2 steps each, 2 micro-batches per step)
-and its metrics.jsonl records are checked against :mod:`megazero.estimate`: model states per rank within
+and its metrics.jsonl records are checked against :mod:`megazero.plan.estimate`: model states per rank within
 padding (1%), activations against the saved-tensor counter. The same runs feed the W&B and plot checks.
 """
 
@@ -17,9 +17,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from megazero.cli import parse_args
-from megazero.config import ModelConfig, model_preset
-from megazero.estimate import (
+from megazero.config.cli import parse_args
+from megazero.config.schema import ModelConfig, model_preset
+from megazero.observe.flops import peak_flops_per_device, throughput
+from megazero.plan.estimate import (
     activation_bytes,
     in_flight_micro_batches,
     korthikanti_layer_bytes,
@@ -27,7 +28,6 @@ from megazero.estimate import (
     rank_parameter_numels,
     stage_layers,
 )
-from megazero.metrics import peak_flops_per_device, throughput
 from tests.common import SMALL_FLAGS
 from tests.dist import run_world
 
@@ -62,8 +62,8 @@ def _flags(topology: str, name: str, precision: str) -> list[str]:
 def _train_every_stage(ctx, topology: str, cache: str, log_dir: str) -> dict[str, object]:
     """Rank function: one short run per entry of RUNS; rank 0 returns the resolved configs (or, for a
     combination config.py refuses as not supported yet, its message) by run name."""
-    from megazero.config import ConfigError
-    from megazero.trainer import run_training
+    from megazero.config.schema import ConfigError
+    from megazero.train.loop import run_training
 
     out: dict[str, object] = {}
     for name, stage, precision in RUNS:

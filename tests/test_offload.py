@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megazero.cli import parse_args
-from megazero.engine import Engine
-from megazero.estimate import model_state_bytes
+from megazero.config.cli import parse_args
+from megazero.plan.estimate import model_state_bytes
+from megazero.train.engine import Engine
 from tests.common import assert_matches_reference, train_runs
 from tests.dist import run_world
 
@@ -110,8 +110,8 @@ def test_cuda_offload_split_is_pinned_and_matches_the_estimator():
     """On a GPU: ZeRO-2 with the optimizer offloaded keeps 2Ψ + 4Ψ/Nd on the device (Nd = 1 here: params and fp32
     gradients) and master + moments (12Ψ) and the fp32 gradient copy (4Ψ) pinned in host memory, as the
     estimator says."""
-    from megazero.config import ModelConfig, OptimizerConfig, ZeroConfig
-    from megazero.distributed import Group
+    from megazero.config.schema import ModelConfig, OptimizerConfig, ZeroConfig
+    from megazero.distributed.group import Group
     from megazero.model.gpt import GPT, init_parameters
     from megazero.zero import ZeroOptimizer
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megazero.cli import parse_args
-from megazero.distributed import Group
-from megazero.engine import Engine
+from megazero.config.cli import parse_args
+from megazero.distributed.group import Group
 from megazero.pipeline.p2p import forward_actions, transfer_plan
 from megazero.pipeline.p2p_replay import P2PCall, plan_calls, record_p2p, replay
 from megazero.pipeline.schedules import ScheduleError, build_schedule, transfer_units
+from megazero.train.engine import Engine
 from tests.dist import run_world
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megazero.distributed import CommLedger, _first_slurm_host, detect_env
-from megazero.parallel_context import RankGrid, TopologyError
+from megazero.distributed.context import RankGrid, TopologyError
+from megazero.distributed.launch import _first_slurm_host, detect_env
+from megazero.distributed.ledger import CommLedger
 from tests.dist import WorldError, run_world
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megazero.cli import parse_args
-from megazero.config import ConfigError
-from megazero.engine import Engine
+from megazero.config.cli import parse_args
+from megazero.config.schema import ConfigError
 from megazero.pipeline.partition import PipelineLayoutError, partition_layers, stage_specs
 from megazero.pipeline.schedules import ScheduleError, build_schedule, simulate
-from megazero.trainer import run_training
+from megazero.train.engine import Engine
+from megazero.train.loop import run_training
 from tests.common import SMALL_FLAGS, assert_matches_reference, merge_runs
 from tests.dist import run_world
 from tests.reference import RefSpec, run_reference

@@ -1,4 +1,4 @@
-"""tools/plan.py and its model (megazero.roofline, megazero.planner): pure arithmetic, no ranks."""
+"""tools/plan.py and its model (megazero.plan.roofline, megazero.plan.search): pure arithmetic, no ranks."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import os
 
 import pytest
 
-from megazero.cli import parse_args
-from megazero.config import model_preset
-from megazero.estimate import model_state_bytes, rank_parameter_numels
-from megazero.planner import Layout, dp_volume, evaluate, layouts, search, torchrun_command
-from megazero.roofline import GPUS, bubble_fraction, cluster, collective_seconds, group_nodes, step_time
+from megazero.config.cli import parse_args
+from megazero.config.schema import model_preset
+from megazero.plan.estimate import model_state_bytes, rank_parameter_numels
+from megazero.plan.roofline import GPUS, bubble_fraction, cluster, collective_seconds, group_nodes, step_time
+from megazero.plan.search import Layout, dp_volume, evaluate, layouts, search, torchrun_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -171,8 +171,8 @@ TINY_PLAN = ["--model", "gpt2-124m", "--num-layers", "2", "--hidden-size", "64",
 
 def test_confirm_caches_dry_runs(tmp_path, capsys, monkeypatch):
     """A second identical plan does no dry run and prints the same table; a changed setting misses the cache."""
-    import megazero.dryrun as dryrun
-    from megazero.dryrun_cache import cache_key, code_fingerprint
+    import megazero.plan.dryrun as dryrun
+    from megazero.plan.cache import cache_key, code_fingerprint
 
     runs = []
     real = dryrun.dry_run

@@ -16,9 +16,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from megazero.cli import parse_args
-from megazero.engine import Engine
+from megazero.config.cli import parse_args
 from megazero.model.gpt import GPT, init_parameters
+from megazero.train.engine import Engine
 from tests.common import assert_matches_reference, merge_runs, normwise_error, train_runs
 from tests.dist import run_world
 
@@ -284,7 +284,7 @@ def _toy_bf16_reduction(ctx) -> tuple:
     """The toy in bf16 at stage 3, one backward: the dtypes of the staging buffers seen at every gradient
     arrival, and the largest difference of each unit's owned gradient from the fp32 sum over DP (an all-reduce,
     independent of the store) of a plain bf16 copy's local gradients, relative to the largest value."""
-    from megazero.config import OptimizerConfig, ZeroConfig
+    from megazero.config.schema import OptimizerConfig, ZeroConfig
     from megazero.zero import ZeroOptimizer
 
     g = torch.Generator().manual_seed(8)
@@ -314,7 +314,7 @@ def _toy_bf16_reduction(ctx) -> tuple:
 
 def _toy_roots_kept(ctx) -> tuple:
     """The toy at stage 3 over DP (3 steps, AdamW) against plain torch AdamW on the whole batch, one process."""
-    from megazero.config import OptimizerConfig, ZeroConfig
+    from megazero.config.schema import OptimizerConfig, ZeroConfig
     from megazero.zero import ZeroOptimizer
 
     opt_cfg = OptimizerConfig(lr=1e-2, weight_decay=0.0, clip_grad=0.0)

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megazero.config import ModelConfig
-from megazero.metrics import ActivationMemoryCounter
+from megazero.config.schema import ModelConfig
 from megazero.model import GPT, init_parameters
+from megazero.observe.memory import ActivationMemoryCounter
 from megazero.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,

@@ -15,13 +15,13 @@ import pytest
 import torch
 from torch import nn
 
-from megazero.config import LossScaleConfig, ModelConfig, OptimizerConfig, ZeroConfig
-from megazero.distributed import Group
+from megazero.config.schema import LossScaleConfig, ModelConfig, OptimizerConfig, ZeroConfig
+from megazero.distributed.group import Group
 from megazero.model.gpt import GPT, full_state_dict, init_parameters
 from megazero.zero import ZeroOptimizer, grad_norm_weights
+from megazero.zero.bucketed import storage_bytes
 from megazero.zero.optimizer import NonFiniteGradientError
-from megazero.zero.partition import storage_bytes
-from megazero.zero.stage3 import GatherOrderError
+from megazero.zero.stage3.params import GatherOrderError
 from tests import launch
 from tests.dist import run_world
 

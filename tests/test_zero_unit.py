@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megazero.config import LossScaleConfig
+from megazero.config.schema import LossScaleConfig
 from megazero.zero import (
     DynamicLossScaler,
     FlatLayout,
@@ -15,7 +15,7 @@ from megazero.zero import (
     make_loss_scaler,
     sharded_state,
 )
-from megazero.zero.partition import storage_bytes
+from megazero.zero.bucketed import storage_bytes
 
 
 def test_sharded_state_per_stage() -> None:
@@ -66,7 +66,7 @@ def test_bucket_numel_auto_and_explicit() -> None:
     buffer, max_inflight_buckets with overlap_comm) of at most Ψ/16 elements (at least 2^20 per bucket),
     DeepSpeed's 5e8 at stage 3;
     a value set in the config (CLI or DeepSpeed JSON) is used as given (capped by allgather_bucket_size)."""
-    from megazero.config import ZeroConfig
+    from megazero.config.schema import ZeroConfig
 
     psi = 50_417_664
     assert ZeroConfig(stage=0).bucket_numel(psi, 4) == ZeroConfig(stage=1).bucket_numel(psi, 4) == 40_000_000
@@ -77,7 +77,7 @@ def test_bucket_numel_auto_and_explicit() -> None:
     assert ZeroConfig(stage=2).bucket_numel(10**6, 4) == 1 << 20
     assert ZeroConfig(stage=2).bucket_numel(10**11, 4) == 40_000_000
     assert ZeroConfig(stage=3).bucket_numel(psi, 4) == 500_000_000
-    from megazero.cli import parse_args
+    from megazero.config.cli import parse_args
 
     assert parse_args([]).resolve(1).zero.reduce_bucket_size is None
     assert parse_args(["--reduce-bucket-size", "3000"]).resolve(1).zero.reduce_bucket_size == 3000
@@ -129,8 +129,8 @@ def test_grad_dtype_choices_and_deepspeed_keys(tmp_path) -> None:
     gradients are accumulated and reduced in: fp32 in bf16 and the model dtype in fp16 by default."""
     import json
 
-    from megazero.cli import build_parser, parse_args
-    from megazero.config import ConfigError
+    from megazero.config.cli import build_parser, parse_args
+    from megazero.config.schema import ConfigError
     from megazero.zero.grads import grad_dtype_for
 
     assert grad_dtype_for("bf16") == torch.float32 and grad_dtype_for("fp16") == torch.float16

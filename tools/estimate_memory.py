@@ -9,7 +9,7 @@ Prints one row per ZeRO stage (and per pipeline stage where they differ): Ψ_r, 
 (its TP shard of its pipeline stage, replicated pieces in full), the model-state bytes as megazero holds them
 (params, grads, fp32 master copy, Adam moments) and the activation bytes of the micro-batches in flight.
 Figures are decimal GB (1e9 bytes, as the ZeRO paper) unless ``--units`` says otherwise. The arithmetic lives
-in :mod:`megazero.estimate`; ``metrics.jsonl`` records the same quantities measured on a real run.
+in :mod:`megazero.plan.estimate`; ``metrics.jsonl`` records the same quantities measured on a real run.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megazero.config import PRESETS, ConfigError, ZeroConfig, model_preset
-from megazero.estimate import (
+from megazero.config.schema import PRESETS, ConfigError, ZeroConfig, model_preset
+from megazero.plan.estimate import (
     activation_bytes,
     in_flight_micro_batches,
     korthikanti_layer_bytes,
@@ -221,8 +221,8 @@ def estimate(args: argparse.Namespace) -> str:
     notes.append("step peak: the larger of the peak as backward begins (model states + activations in flight + "
                  "gradient staging buckets / ZeRO-3 gathered units + recomputation and fresh-gradient transients) "
                  "and the peak once activations are freed (end of backward: the tied embedding's gradient sum; "
-                 "optimizer step) (megazero.estimate.peak_bytes); metrics.jsonl's memory[r].peak_bytes measures it "
-                 "(megazero/memory.py); default ZeroConfig buckets (stage 2: Ψ/16 elements, one staging buffer "
+                 "optimizer step) (megazero.plan.estimate.peak_bytes); metrics.jsonl's memory[r].peak_bytes measures it "
+                 "(megazero/observe/memory.py); default ZeroConfig buckets (stage 2: Ψ/16 elements, one staging buffer "
                  "without overlap_comm), no overlap_comm.")
     notes.append("not counted (except in step peak): flat-buffer padding (< dp*16 elements per buffer), gradient staging buckets, "
                  "communication buffers, the CUDA context and allocator fragmentation.")

@@ -55,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit status."""
     args = build_parser().parse_args(argv)
-    from megazero.distributed import destroy_distributed, detect_env, init_distributed
-    from megazero.parallel_context import ParallelContext, RankGrid, TopologyError
+    from megazero.distributed.context import ParallelContext, RankGrid, TopologyError
+    from megazero.distributed.launch import destroy_distributed, detect_env, init_distributed
 
     env = detect_env()
     try:

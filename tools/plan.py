@@ -6,14 +6,14 @@
 
 Enumerates tp (dividing the GPUs of a node), pp, dp, ZeRO stage 0-3, micro-batch size, recomputation
 (none/selective/full), optimizer offload, sequence parallelism and the interleaved schedule; estimates each
-layout's per-rank peak memory (:mod:`megazero.estimate`) and drops those above the usable device memory;
-estimates the step time of the rest (:mod:`megazero.roofline`: FLOPs at ``--efficiency`` x the dense peak,
+layout's per-rank peak memory (:mod:`megazero.plan.estimate`) and drops those above the usable device memory;
+estimates the step time of the rest (:mod:`megazero.plan.roofline`: FLOPs at ``--efficiency`` x the dense peak,
 each collective's bytes over NVLink inside a node or the network across nodes, the pipeline bubble, the
 optimizer step); prints the fastest ``--top`` and the torchrun command of the first. Hardware figures come
-from the table in :mod:`megazero.roofline`, each overridable by a flag. Confirm a plan with
+from the table in :mod:`megazero.plan.roofline`, each overridable by a flag. Confirm a plan with
 ``python pretrain/gpt.py --dry-run <its flags>``, or the fastest N with ``--confirm N``: each is dry-run as a
 CUDA run (its defaults and kernels on meta tensors) and cached under ``--cache-dir``
-(:mod:`megazero.dryrun_cache`), so planning again reruns only what changed.
+(:mod:`megazero.plan.cache`), so planning again reruns only what changed.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megazero.config import PRESETS, ConfigError, model_preset
-from megazero.planner import Plan, search, torchrun_command
-from megazero.roofline import GPUS, cluster, describe
+from megazero.config.schema import PRESETS, ConfigError, model_preset
+from megazero.plan.roofline import GPUS, cluster, describe
+from megazero.plan.search import Plan, search, torchrun_command
 
 __all__ = ["build_parser", "confirm", "main", "report"]
 
@@ -138,11 +138,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def confirm(plans: list[Plan], model_flags: list[str], args: argparse.Namespace, c) -> str:
-    """Dry-run each plan (megazero/dryrun.py) and set its measured peak beside the estimate; dry runs come from
-    the cache (megazero/dryrun_cache.py) when an identical one ran before."""
-    from megazero.cli import parse_args
-    from megazero.dryrun import dry_run
-    from megazero.dryrun_cache import DryRunCache, default_cache_dir
+    """Dry-run each plan (megazero/plan/dryrun.py) and set its measured peak beside the estimate; dry runs come from
+    the cache (megazero/plan/cache.py) when an identical one ran before."""
+    from megazero.config.cli import parse_args
+    from megazero.plan.cache import DryRunCache, default_cache_dir
+    from megazero.plan.dryrun import dry_run
 
     cache = None if args.no_cache else DryRunCache(args.cache_dir or default_cache_dir())
     lines = ["dry runs (measured on the real step; python pretrain/gpt.py --dry-run <flags>):"]

@@ -7,7 +7,7 @@ Writes ``loss.png`` (training loss, and evaluation loss where logged), ``memory.
 model-state breakdown -- params, grads, master params, optimizer states -- stacked with the activation peak,
 and beside it what the device allocator, or on CPU the process's resident memory, measured) and
 ``throughput.png`` (tokens/s, TFLOP/s per GPU, MFU and HFU where the peak FLOP/s is known), and the memory
-dashboard the W&B run builds (:mod:`megazero.dashboard`): ``memory_by_category.png`` (one panel per memory
+dashboard the W&B run builds (:mod:`megazero.observe.dashboard`): ``memory_by_category.png`` (one panel per memory
 category, measured peak and its breakdown included where recorded, one line per rank over the steps) and
 ``peak_by_rank.png`` (each rank's peak at the plotted step).
 """
@@ -31,7 +31,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from megazero.dashboard import memory_series, rank_peaks  # noqa: E402
+from megazero.observe.dashboard import memory_series, rank_peaks  # noqa: E402
 
 __all__ = ["load_records", "main", "plot_loss", "plot_memory", "plot_memory_by_category", "plot_peak_by_rank",
            "plot_throughput"]

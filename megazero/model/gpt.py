@@ -8,7 +8,7 @@ Shapes in comments: B batch, S sequence, H hidden, V/tp this rank's vocabulary s
 With ``sequence_parallel`` the residual stream (LayerNorms, dropout, residual adds) holds [B, S/tp, H]: each TP
 rank keeps one chunk of the sequence, all-gathered on entry to a TP layer and reduce-scattered on exit.
 
-Activation checkpointing (``activation_checkpointing``, :mod:`megazero.tensor_parallel.checkpointing`):
+Activation checkpointing (``activation_checkpointing``, :mod:`megazero.tensor_parallel.recompute`):
 ``full`` keeps only each block's input and recomputes the block in backward; ``selective`` recomputes only the
 attention core (q, k, v -> softmax(QK^T)V, Megatron-LM's selective recompute), whose saved tensors grow with
 S^2 when attention dropout runs unfused. Dropout masks are identical in the recomputation (RNG states restored).
@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from megazero.config import ActivationCheckpointingConfig, ModelConfig
-from megazero.distributed import Group
+from megazero.config.schema import ActivationCheckpointingConfig, ModelConfig
+from megazero.distributed.group import Group
 from megazero.model.kernels import causal_attention, dropout
 from megazero.tensor_parallel import (
     ColumnParallelLinear,
@@ -41,9 +41,9 @@ from megazero.tensor_parallel import (
     shard_full_tensor,
     vocab_parallel_cross_entropy,
 )
-from megazero.tensor_parallel.checkpointing import CheckpointOptions, CheckpointStats, checkpoint
 from megazero.tensor_parallel.layers import replicated_parameter, tp_size_rank, unshard_tensor
 from megazero.tensor_parallel.random import RNGTracker
+from megazero.tensor_parallel.recompute import CheckpointOptions, CheckpointStats, checkpoint
 
 __all__ = ["GPT", "Block", "CausalSelfAttention", "Dropout", "LayerNorm", "MLP", "full_state_dict",
            "init_parameters", "initial_value", "parameter_initializer"]

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from megazero.config import ModelConfig
+from megazero.config.schema import ModelConfig
 
 __all__ = ["hf_gpt2_config", "to_hf_gpt2_state_dict", "to_hf_gpt2_tensor"]
 

@@ -8,7 +8,7 @@ torch picks FlashAttention-2 for fp16/bf16 and the memory-efficient kernel for f
 On the meta device torch has no CUDA kernel to pick and takes the paths of a CPU: attention on the unfused
 math path, which saves the ``[B, nh, S, S]`` probabilities for backward, and dropout as a multiplication by a
 mask of the input's dtype. Neither is what a GPU holds. Inside ``with emulate("cuda"):`` (the dry run of a GPU
-run, :func:`megazero.dryrun.dry_run`) these functions call the ops a CUDA run uses on meta tensors directly --
+run, :func:`megazero.plan.dryrun.dry_run`) these functions call the ops a CUDA run uses on meta tensors directly --
 the fused attention op of :func:`fused_kernel` and ``native_dropout`` -- whose meta kernels return the same
 outputs, so autograd saves what it saves on the GPU: for attention q, k, v (views of the input), the output and
 the fp32 log-sum-exp per query plus the kernel's RNG seed and offset, no ``S x S`` tensor; for dropout a bool

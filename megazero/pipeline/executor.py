@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from megazero import host
-from megazero.metrics import ActivationMemoryCounter
+from megazero.distributed import device_io
+from megazero.observe.memory import ActivationMemoryCounter
 from megazero.pipeline.p2p import PipelineP2P, action_transfers, forward_actions, transfer_plan
 from megazero.pipeline.partition import StageSpec
 from megazero.pipeline.schedules import Action
@@ -75,12 +75,12 @@ class PipelineExecutor:
                 x, y = micro_batches[a.micro_batch]
                 if recv is None:
                     inp = None
-                    arg = host.to_device(x, self.device)  # no host sync (safe from pageable memory)
+                    arg = device_io.to_device(x, self.device)  # no host sync (safe from pageable memory)
                 else:
                     inp = inbox.pop(recv.key)
                     inp.requires_grad_(backward is not None)
                     arg = inp
-                target = host.to_device(y, self.device) if spec.post_process else None
+                target = device_io.to_device(y, self.device) if spec.post_process else None
                 counter = self.counters[a.chunk]
                 with torch.set_grad_enabled(backward is not None), counter.track():
                     out = chunk(arg, target)

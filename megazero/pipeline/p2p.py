@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megazero.distributed import Group
+from megazero.distributed.group import Group
 from megazero.pipeline.schedules import Action
 
 __all__ = ["PipelineP2P", "Transfer", "action_transfers", "forward_actions", "transfer_plan"]

@@ -3,8 +3,8 @@
 gloo buffers sends and matches messages by tag, so an order that deadlocks on GPUs runs fine on the CPU.
 This module makes NCCL's rules checkable on the CPU:
 
-* :func:`record_p2p` turns on recording for a :class:`~megazero.distributed.Group`: every batched call
-  (:meth:`~megazero.distributed.Group.batch_p2p`) is appended, in issue order, as one *group* of
+* :func:`record_p2p` turns on recording for a :class:`~megazero.distributed.group.Group`: every batched call
+  (:meth:`~megazero.distributed.group.Group.batch_p2p`) is appended, in issue order, as one *group* of
   :class:`P2PCall` (peer as a global rank, bytes, message tag).
 * :func:`plan_calls` turns :func:`~megazero.pipeline.p2p.transfer_plan` slots into the same form, so the
   executor's plan for every rank can be replayed without starting a process.
@@ -20,23 +20,13 @@ The replay is event-driven and linear in the number of operations, for plans of 
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
-from megazero.distributed import Group
+from megazero.distributed.group import Group, P2PCall
 from megazero.pipeline.p2p import Transfer
 
 __all__ = ["P2PCall", "ReplayResult", "plan_calls", "record_p2p", "replay"]
-
-
-class P2PCall(NamedTuple):
-    """One point-to-point operation as issued: ``kind`` "send"/"recv", ``peer`` global rank, ``nbytes``, ``tag``."""
-
-    kind: str
-    peer: int
-    nbytes: int
-    tag: Hashable = None
 
 
 def record_p2p(group: Group) -> list[list[P2PCall]]:

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from megazero import host
-from megazero.distributed import Group
+from megazero.distributed import device_io
+from megazero.distributed.group import Group
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "IGNORE_INDEX", "vocab_parallel_cross_entropy"]
 
@@ -81,7 +81,7 @@ class _VocabParallelCE(torch.autograd.Function):
             chunk.sub_(lse[a: a + c].unsqueeze(-1)).exp_()  # softmax over the whole (TP-split) vocabulary
             chunk.scatter_add_(-1, local_target[a: a + c].unsqueeze(-1), -own[a: a + c].unsqueeze(-1).float())
             chunk.mul_(scale[a: a + c].unsqueeze(-1))
-            if not host.same_data(chunk, rows):
+            if not device_io.same_data(chunk, rows):
                 rows.copy_(chunk)
             del chunk
         return grad, None, None, None, None, None

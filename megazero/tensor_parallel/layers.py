@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megazero.distributed import Group
+from megazero.distributed.group import Group
 from megazero.tensor_parallel.mappings import (
     copy_to_tp_region,
     gather_from_tp_region,

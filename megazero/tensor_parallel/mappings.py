@@ -1,6 +1,6 @@
 """Autograd communication primitives for tensor parallelism (the Megatron paper's "f" and "g" operators).
 
-Each takes the TP :class:`~megazero.distributed.Group` explicitly. With a group of size 1 every one of them is
+Each takes the TP :class:`~megazero.distributed.group.Group` explicitly. With a group of size 1 every one of them is
 the identity, so the same model code runs unsharded.
 
 ==========================  =========================  ===========================
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from megazero.distributed import Group
+from megazero.distributed.group import Group
 
 __all__ = [
     "SEQ_DIM",

@@ -1,8 +1,8 @@
 """ZeRO: optimizer states (stage 1), gradients (stage 2) and parameters (stage 3) partitioned over DP ranks."""
 
+from megazero.zero.bucketed import FlatLayout, ShardedState, build_buckets, sharded_state
 from megazero.zero.loss_scaler import DynamicLossScaler, LossScaleError, StaticLossScaler, make_loss_scaler
 from megazero.zero.optimizer import PRECISION_DTYPES, StepStats, ZeroOptimizer, grad_norm_weights
-from megazero.zero.partition import FlatLayout, ShardedState, build_buckets, sharded_state
 
 __all__ = [
     "PRECISION_DTYPES",

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from megazero.config import OptimizerConfig
+from megazero.config.schema import OptimizerConfig
 from megazero.zero.grads import OwnedGrads, split_runs
 
 __all__ = ["adam_update"]

@@ -21,7 +21,7 @@ from itertools import accumulate
 import torch
 from torch import nn
 
-from megazero import host
+from megazero.distributed import device_io
 
 __all__ = ["FlatLayout", "OwnedSegment", "Piece", "build_buckets", "set_data", "storage_bytes"]
 
@@ -163,7 +163,7 @@ def storage_bytes(tensors: Sequence[torch.Tensor], seen: set[int] | None = None)
         st = t.untyped_storage()
         if st.nbytes() == 0:
             continue
-        key = host.storage_key(t)
+        key = device_io.storage_key(t)
         if key in seen:
             continue
         seen.add(key)

@@ -12,7 +12,7 @@ changes. bf16 and fp32 use no scaler (:func:`make_loss_scaler` returns None).
 
 from __future__ import annotations
 
-from megazero.config import LossScaleConfig
+from megazero.config.schema import LossScaleConfig
 
 __all__ = ["DynamicLossScaler", "LossScaleError", "StaticLossScaler", "make_loss_scaler"]
 

@@ -2,7 +2,7 @@
 Adam(W) on this rank's partition, and re-assembly of the updated parameters.
 
 One integer, ``zero_cfg.stage``, decides what is partitioned across the ``dp_group`` ranks
-(:func:`~megazero.zero.partition.sharded_state`):
+(:func:`~megazero.zero.bucketed.sharded_state`):
 
 ======  =====================================  =================================================================
 stage   partitioned                            gradient policy with m micro-batches per step (DP volume / step)
@@ -20,7 +20,7 @@ stage   partitioned                            gradient policy with m micro-batc
 
 Ψ is this rank's parameter count (its TP shard of its pipeline stage), up to padding to equal aligned slices.
 With ``reduce_scatter`` False, each reduce-scatter above becomes an all-reduce (2Ψ instead of Ψ).
-Buckets hold :meth:`ZeroConfig.bucket_numel <megazero.config.ZeroConfig.bucket_numel>` elements (stages 0-2
+Buckets hold :meth:`ZeroConfig.bucket_numel <megazero.config.schema.ZeroConfig.bucket_numel>` elements (stages 0-2
 and stage 3's persistent parameters): ``min(reduce_bucket_size, allgather_bucket_size)`` when set, else derived
 from this rank's Ψ (stage 2: a staging pool of at most Ψ/16 elements; agreed over ``tied_group``, so both
 copies of a tied embedding are cut alike).
@@ -63,13 +63,13 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from megazero import host
-from megazero.config import LossScaleConfig, OptimizerConfig, ZeroConfig
-from megazero.distributed import Group
+from megazero.config.schema import LossScaleConfig, OptimizerConfig, ZeroConfig
+from megazero.distributed import device_io
+from megazero.distributed.group import Group
 from megazero.zero.adam import adam_update
+from megazero.zero.bucketed import BucketedParams, sharded_state, storage_bytes
 from megazero.zero.grads import OwnedGrads, grad_dtype_for
 from megazero.zero.loss_scaler import make_loss_scaler
-from megazero.zero.partition import BucketedParams, sharded_state, storage_bytes
 
 __all__ = ["PRECISION_DTYPES", "NonFiniteGradientError", "StepStats", "ZeroOptimizer", "grad_norm_weights"]
 
@@ -173,9 +173,9 @@ class ZeroOptimizer:
                 and tied_group.device.type != "meta"):  # the dry run (meta) keeps its own: nothing to read back
             agreed = torch.tensor([bucket], dtype=torch.int64, device=tied_group.device)
             tied_group.all_reduce(agreed, op="min", tag="other")  # the tied copies' stages hold different Ψ
-            bucket = int(host.read(agreed)[0])
+            bucket = int(device_io.read(agreed)[0])
         if zero_cfg.stage == 3:
-            from megazero.zero.stage3 import Stage3Params
+            from megazero.zero.stage3.params import Stage3Params
 
             self.store = Stage3Params(model, self.dtype, dp_group, replace(zero_cfg, reduce_bucket_size=bucket),
                                       align=align, isolate=tied_params,
@@ -219,7 +219,7 @@ class ZeroOptimizer:
 
         def fp32(zero: bool) -> torch.Tensor:  # an owned-size fp32 state, in host memory under offload
             if self.offload:
-                return (host.zeros if zero else host.empty)(self.owned_numel, torch.float32, self._pin)
+                return (device_io.zeros if zero else device_io.empty)(self.owned_numel, torch.float32, self._pin)
             return (torch.zeros if zero else torch.empty)(self.owned_numel, dtype=torch.float32, device=device)
 
         self.mixed = self.dtype != torch.float32
@@ -234,7 +234,7 @@ class ZeroOptimizer:
             self._pieces = []
             for s, a in zip(segs, self._starts):
                 prev = self._pieces[-1] if self._pieces else None
-                if prev is not None and prev[1] == a and host.adjacent(prev[2], s.param):
+                if prev is not None and prev[1] == a and device_io.adjacent(prev[2], s.param):
                     self._pieces[-1] = (prev[0], a + s.param.numel(),
                                         _extend(prev[2], s.param.numel()))
                 else:
@@ -278,7 +278,7 @@ class ZeroOptimizer:
         if not self.offload:
             return OwnedGrads([(a, s.grad) for s, a in zip(segs, self._starts)])
         if self._host_grads is None:
-            self._host_grads = host.empty(self.owned_numel, torch.float32, self._pin)
+            self._host_grads = device_io.empty(self.owned_numel, torch.float32, self._pin)
         g = self._host_grads
         for s, a in zip(segs, self._starts):
             g[a: a + s.grad.numel()].copy_(s.grad, non_blocking=True)
@@ -359,7 +359,7 @@ class ZeroOptimizer:
     def step(self, lr: float) -> StepStats:
         """Reduce gradients, check for fp16 overflow, clip by the global norm, update with learning rate ``lr``
         (:meth:`prepare_step` then :meth:`finish_step`, reading the norm back in between)."""
-        return self.finish_step(lr, host.read(self.prepare_step())[0])
+        return self.finish_step(lr, device_io.read(self.prepare_step())[0])
 
     def check_skipped_steps(self, step: int) -> None:
         """Raise :class:`NonFiniteGradientError` once ``OptimizerConfig.max_skipped_steps`` steps in a row (0:
@@ -450,8 +450,8 @@ class ZeroOptimizer:
                  "optimizer_states_bytes": [self.exp_avg, self.exp_avg_sq]}
         out = {k: storage_bytes(ts, seen) for k, ts in kinds.items()}
         tensors = [t for ts in kinds.values() for t in ts if t is not None and t.untyped_storage().nbytes()]
-        on_accelerator = any(not host.is_host(t) for t in tensors)
-        out["offloaded_bytes"] = storage_bytes([t for t in tensors if host.is_host(t)]) if on_accelerator else 0
+        on_accelerator = any(not device_io.is_host(t) for t in tensors)
+        out["offloaded_bytes"] = storage_bytes([t for t in tensors if device_io.is_host(t)]) if on_accelerator else 0
         out["comm_buffers_bytes"] = storage_bytes(held.get("comm", []), seen)
         return out
 
@@ -459,7 +459,7 @@ class ZeroOptimizer:
         """Elements of the flat buffers as laid out (Ψ plus padding): what each collective moves."""
         return self.store.padded_numel()
 
-    # -- checkpointing (canonical, topology-independent form; see megazero/checkpoint.py) --------------------
+    # -- checkpointing (canonical, topology-independent form; see megazero/checkpoint/sharded.py) --------------------
     def owned_state(self) -> list[tuple[nn.Parameter, int, dict[str, torch.Tensor]]]:
         """The runs of parameter elements this rank updates, in owned order: ``(param, offset, views)``.
 

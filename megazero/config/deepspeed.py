@@ -1,0 +1,503 @@
+"""DeepSpeed-style JSON configuration (``--deepspeed-config FILE``) mapped onto megazero's dataclasses.
+
+Every key falls in exactly one of four classes, kept as the explicit tables below:
+
+(a) ``SUPPORTED_KEYS``: mapped onto a megazero setting, with DeepSpeed's meaning.
+(b) ``IGNORED_KEYS``: accepted with a one-line :class:`~megazero.config.schema.ConfigWarning`; only keys that cannot
+    change what is trained (logging, profiling, performance knobs, NVMe/IO tuning, save formats).
+(c) ``NOT_SUPPORTED_KEYS``: recognised, but megazero cannot do it yet -> :class:`ConfigError` naming the key
+    and what to use instead (``ALTERNATIVES``). A value that requests nothing (DeepSpeed's default, e.g.
+    ``"sparse_gradients": false`` or a block with ``"enabled": false``) is accepted with a warning instead.
+(d) anything else: unknown. At the top level DeepSpeed reads the keys it knows and ignores the rest, so
+    megazero does too, with one warning naming them all (with a "did you mean" where one is close). Inside a
+    block DeepSpeed's pydantic models refuse unknown keys, so megazero raises ConfigError naming the path.
+
+What DeepSpeed's own parser does with configs in the style of its documentation and of fine-tuning tutorials
+is recorded in ``tests/fixtures/ds_configs`` (``*.verdict.json``); the test suite holds megazero to the same
+verdicts, except where megazero refuses a key DeepSpeed honours (NVMe offload, optimizers other than Adam),
+naming the key and the alternative.
+
+Nested keys are classified by their full dotted path (``zero_optimization.offload_optimizer.device``).
+``"auto"`` (as in the Hugging Face integration) means "take the value from the command line or the default".
+A key that is absent from a block the file does contain takes DeepSpeed's default for that block (Adam's
+betas are (0.9, 0.999) and its weight decay 0 in DeepSpeed), reported separately as ``implied`` so that an
+explicit flag still wins over it. The result is a flat mapping from setting paths (``"zero.stage"``) to
+values; :func:`megazero.config.cli.parse_args` merges it with the flags.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import os
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from megazero.config.schema import ConfigError, ConfigWarning
+
+__all__ = [
+    "ALTERNATIVES",
+    "DeepSpeedSettings",
+    "IGNORED_KEYS",
+    "NOT_SUPPORTED_KEYS",
+    "SUPPORTED_KEYS",
+    "load_deepspeed_config",
+    "merge_with_flags",
+]
+
+_AUTO = "auto"
+_DISABLED = object()  # NOT_SUPPORTED_KEYS value: inert when the block is absent-or-false "enabled"
+_NEVER = object()  # NOT_SUPPORTED_KEYS value: no value is inert
+
+# (a) Keys megazero reads. A block key (``zero_optimization``) makes its children classifiable.
+SUPPORTED_KEYS: frozenset[str] = frozenset({
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
+    "steps_per_print",
+    "optimizer", "optimizer.type", "optimizer.params", "optimizer.params.lr", "optimizer.params.betas",
+    "optimizer.params.eps", "optimizer.params.weight_decay", "optimizer.params.adam_w_mode",
+    "scheduler", "scheduler.type", "scheduler.params", "scheduler.params.warmup_min_lr",
+    "scheduler.params.warmup_max_lr", "scheduler.params.warmup_num_steps", "scheduler.params.warmup_type",
+    "scheduler.params.total_num_steps", "scheduler.params.warmup_min_ratio", "scheduler.params.cos_min_ratio",
+    "fp16", "fp16.enabled", "fp16.loss_scale", "fp16.initial_scale_power", "fp16.loss_scale_window",
+    "fp16.hysteresis", "fp16.min_loss_scale",
+    "bf16", "bf16.enabled", "bfloat16", "bfloat16.enabled",  # bfloat16 is DeepSpeed's older spelling
+    "zero_optimization", "zero_optimization.stage", "zero_optimization.reduce_bucket_size",
+    "zero_optimization.allgather_bucket_size", "zero_optimization.overlap_comm",
+    "zero_optimization.reduce_scatter", "zero_optimization.contiguous_gradients",
+    "zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.stage3_param_persistence_threshold",
+    "zero_optimization.stage3_max_live_parameters", "zero_optimization.stage3_max_reuse_distance",
+    "zero_optimization.offload_optimizer", "zero_optimization.offload_optimizer.device",
+    "zero_optimization.offload_optimizer.pin_memory",
+    "zero_optimization.offload_param", "zero_optimization.offload_param.device",
+    "zero_optimization.offload_param.pin_memory",
+    "activation_checkpointing", "activation_checkpointing.partition_activations",
+    "activation_checkpointing.cpu_checkpointing",
+    "communication_data_type", "data_types", "data_types.grad_accum_dtype",
+})
+
+# (b) Keys accepted and ignored, with why that is harmless. A block here is ignored whole.
+IGNORED_KEYS: Mapping[str, str] = MappingProxyType({
+    "wall_clock_breakdown": "timing report", "dump_state": "debug print", "memory_breakdown": "memory report",
+    "flops_profiler": "profiler", "tensorboard": "logging sink", "csv_monitor": "logging sink",
+    "wandb": "logging sink; use --wandb-project", "comet": "logging sink", "comms_logger": "logging",
+    "zero_allow_untested_optimizer": "safety switch", "zero_force_ds_cpu_optimizer": "safety switch",
+    "prescale_gradients": "only moves the 1/dp division before the reduction",
+    "aio": "NVMe I/O tuning", "checkpoint": "DeepSpeed checkpoint-engine options",
+    "optimizer.params.torch_adam": "kernel choice", "optimizer.params.fused": "kernel choice",
+    "fp16.auto_cast": "input casting; megazero casts inside the model",
+    "zero_optimization.round_robin_gradients": "offload copy order",
+    "zero_optimization.sub_group_size": "optimizer step granularity",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "save format",
+    "zero_optimization.stage3_gather_fp16_weights_on_model_save": "save format",
+    "zero_optimization.load_from_fp32_weights": "DeepSpeed checkpoint loading",
+    "zero_optimization.allgather_partitions": "all-gather vs broadcasts: same result",
+    "zero_optimization.elastic_checkpoint": "DeepSpeed checkpoint format",
+    "zero_optimization.ignore_unused_parameters": "GPT uses every parameter",
+    "zero_optimization.grad_hooks": "reduction timing", "zero_optimization.cpu_offload_use_pin_memory": "pinning",
+    "zero_optimization.memory_efficient_linear": "kernel choice",
+    "zero_optimization.use_multi_rank_bucket_allreduce": "reduction scheduling",
+    "zero_optimization.offload_optimizer.nvme_path": "NVMe only",
+    "zero_optimization.offload_optimizer.buffer_count": "NVMe only",
+    "zero_optimization.offload_optimizer.fast_init": "NVMe only",
+    "zero_optimization.offload_param.nvme_path": "NVMe only",
+    "zero_optimization.offload_param.buffer_count": "NVMe only",
+    "zero_optimization.offload_param.buffer_size": "NVMe only",
+    "zero_optimization.offload_param.max_in_cpu": "NVMe only",
+    "activation_checkpointing.contiguous_memory_optimization": "memory layout",
+    "activation_checkpointing.number_checkpoints": "buffer sizing",
+    "activation_checkpointing.synchronize_checkpoint_boundary": "CUDA sync for timing",
+    "activation_checkpointing.profile": "timing report",
+})
+
+# (c) Keys recognised but not supported yet, with the value that requests nothing (accepted with a warning).
+NOT_SUPPORTED_KEYS: Mapping[str, object] = MappingProxyType({
+    "amp": _DISABLED, "sparse_attention": _NEVER, "pipeline": _NEVER, "curriculum_learning": _DISABLED,
+    "data_efficiency": _DISABLED, "compression_training": _NEVER, "elasticity": _DISABLED,
+    "autotuning": _DISABLED, "eigenvalue": _DISABLED, "progressive_layer_drop": _DISABLED,
+    "quantize_training": _DISABLED, "hybrid_engine": _DISABLED, "nebula": _DISABLED,
+    "seq_parallel_communication_data_type": None, "fp32_allreduce": False,
+    "sparse_gradients": False, "gradient_predivide_factor": 1.0,
+    "optimizer.params.amsgrad": False, "optimizer.params.bias_correction": True,
+    "scheduler.params.last_batch_iteration": -1,
+    "fp16.fp16_master_weights_and_grads": False, "fp16.consecutive_hysteresis": False,  # changes the scaler
+    "zero_optimization.zero_hpz_partition_size": 1, "zero_optimization.zero_quantized_weights": False,
+    "zero_optimization.zero_quantized_nontrainable_weights": False,
+    "zero_optimization.zero_quantized_gradients": False, "zero_optimization.mics_shard_size": -1,
+    "zero_optimization.mics_hierarchical_params_gather": False, "zero_optimization.cpu_offload": False,
+    "zero_optimization.cpu_offload_params": False, "zero_optimization.legacy_stage1": False,
+    "zero_optimization.offload_optimizer.ratio": 1.0,
+})
+
+# What to use instead of a NOT_SUPPORTED_KEYS entry (default: remove it).
+ALTERNATIVES: Mapping[str, str] = MappingProxyType({
+    "amp": 'use "bf16": {"enabled": true} (or "fp16") instead of Apex AMP',
+    "sparse_attention": "remove the block: megazero's attention is dense (and DeepSpeed 0.19 removed it)",
+    "pipeline": "use --pp N (and --pp-schedule, --virtual-stages) for pipeline parallelism",
+    "curriculum_learning": "remove it; megazero samples fixed-length sequences",
+    "data_efficiency": "remove it; megazero samples fixed-length sequences",
+    "elasticity": "fix the world size; torchrun --max-restarts with --load auto resumes a failed job",
+    "autotuning": "tools/plan.py searches topologies, micro-batch and ZeRO stage with the memory estimator",
+    "fp32_allreduce": "remove it: bf16 gradients are reduced in fp32 by default",
+    "zero_optimization.cpu_offload": 'use "offload_optimizer": {"device": "cpu"}',
+    "zero_optimization.cpu_offload_params": 'use "offload_param": {"device": "cpu"}',
+    "zero_optimization.legacy_stage1": 'remove it; "stage": 1 is the partitioned-optimizer stage',
+    "zero_optimization.offload_optimizer.ratio": "remove it: the whole optimizer state is offloaded",
+    "scheduler.params.last_batch_iteration": "resume with --load, which restores the step",
+    "optimizer.params.amsgrad": "remove it; megazero's Adam/AdamW has no AMSGrad variant",
+    "optimizer.params.bias_correction": "remove it; Adam is always bias-corrected",
+    "fp16.fp16_master_weights_and_grads": "remove it; master weights stay in fp32",
+})
+
+_ADAM_TYPES = ("adam", "adamw")
+_NOT_SUPPORTED_OPTIMIZERS = frozenset({
+    "onebitadam", "zerooneadam", "onebitlamb", "lamb", "lion", "adagrad", "sgd", "muadam", "muadamw", "musgd",
+    "adamax", "adadelta", "nadam", "radam", "rmsprop", "asgd", "sparseadam", "lbfgs", "adafactor",
+})
+# Scheduler type -> its parameters (DeepSpeed's constructor signatures).
+_SCHEDULER_PARAMS: Mapping[str, frozenset[str]] = MappingProxyType({
+    "WarmupLR": frozenset({"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
+                           "last_batch_iteration"}),
+    "WarmupDecayLR": frozenset({"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
+                                "total_num_steps", "last_batch_iteration"}),
+    "WarmupCosineLR": frozenset({"total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio",
+                                 "warmup_type", "last_batch_iteration"}),
+})
+_SCHEDULER_NAMES = MappingProxyType({"WarmupLR": "warmup_lr", "WarmupDecayLR": "warmup_decay_lr",
+                                     "WarmupCosineLR": "warmup_cosine_lr"})
+_NOT_SUPPORTED_SCHEDULERS = frozenset({"OneCycle", "LRRangeTest"})
+
+
+@dataclass(frozen=True)
+class DeepSpeedSettings:
+    """What a DeepSpeed config says, as megazero setting paths (``"training.global_batch_size"``).
+
+    ``values``: settings the file states; ``sources``: for each, the JSON key and raw value, for messages;
+    ``implied``: DeepSpeed's defaults for keys missing from blocks the file contains (lower priority than
+    flags); ``excluded``: ``(path, value, source)`` the file rules out (``"fp16": {"enabled": false}`` rules
+    out ``--precision fp16``).
+    """
+
+    values: dict[str, Any] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)
+    implied: dict[str, Any] = field(default_factory=dict)
+    excluded: list[tuple[str, Any, str]] = field(default_factory=list)
+
+
+def load_deepspeed_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> DeepSpeedSettings:
+    """Read a DeepSpeed JSON file (or an already-parsed dict), classify every key, map it onto settings."""
+    if isinstance(source, Mapping):
+        raw: Any = source
+    else:
+        try:
+            with open(source, encoding="utf-8") as f:
+                raw = json.load(f)
+        except OSError as e:
+            raise ConfigError(f"--deepspeed-config {source}: cannot read the file ({e.strerror})") from e
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--deepspeed-config {source}: not valid JSON ({e})") from e
+    if not isinstance(raw, Mapping):
+        raise ConfigError("--deepspeed-config: the top level must be a JSON object")
+    _check_types(raw)
+    _classify(raw, "")
+    out = DeepSpeedSettings()
+    _map(raw, out)
+    return out
+
+
+def merge_with_flags(ds: DeepSpeedSettings, explicit: Mapping[str, Any], flags: Mapping[str, str],
+                     file: str) -> dict[str, Any]:
+    """Setting values: DeepSpeed defaults < the file < explicit flags; a flag contradicting the file raises.
+
+    ``explicit`` maps setting paths to the values the user typed, ``flags`` setting paths to flag names.
+    """
+    def contradiction(path: str, value: Any, source: str) -> ConfigError:
+        return ConfigError(f"`{flags.get(path, path)} {value}` contradicts the DeepSpeed config {file}: "
+                           f'{source}. Make them agree, drop the flag, or set the key to "auto" to take the flag')
+
+    for path, value in ds.values.items():
+        if path in explicit and explicit[path] != value:
+            raise contradiction(path, explicit[path], ds.sources[path])
+    for path, value, source in ds.excluded:
+        if path in explicit and explicit[path] == value:
+            raise contradiction(path, value, source)
+    return {**ds.implied, **ds.values, **explicit}
+
+
+def _children(prefix: str, keys: Iterable[str] | None = None) -> list[str]:
+    """Names of the keys one level below ``prefix`` ("" for the top level) in the tables."""
+    keys = [*SUPPORTED_KEYS, *IGNORED_KEYS, *NOT_SUPPORTED_KEYS] if keys is None else keys
+    depth = prefix.count(".") + 1 if prefix else 0
+    return sorted({k.split(".")[depth] for k in keys if (k.startswith(prefix + ".") or not prefix)
+                   and k.count(".") >= depth})
+
+
+def _is_inert(value: Any, inert: object) -> bool:
+    """Whether a NOT_SUPPORTED_KEYS value requests nothing ("auto" never requests anything)."""
+    if value == _AUTO:
+        return True
+    if inert is _NEVER:
+        return False
+    if inert is _DISABLED:
+        return isinstance(value, Mapping) and value.get("enabled", False) in (False, _AUTO)
+    if isinstance(inert, bool) or inert is None:
+        return value is inert
+    return not isinstance(value, bool) and value == inert
+
+
+def _classify(block: Mapping[str, Any], prefix: str) -> None:
+    """Walk the keys of one JSON object: recurse into supported blocks, warn or raise for the rest."""
+    ignored = []
+    for key, value in block.items():
+        path = f"{prefix}.{key}" if prefix else key
+        if path in SUPPORTED_KEYS:
+            if any(k.startswith(path + ".") for k in SUPPORTED_KEYS):
+                if not isinstance(value, Mapping):
+                    raise ConfigError(f"`{path}` must be a JSON object, got {value!r}")
+                _classify(value, path)
+        elif path in IGNORED_KEYS:
+            _warn(f"DeepSpeed key `{path}` is accepted but ignored by megazero ({IGNORED_KEYS[path]})")
+        elif path in NOT_SUPPORTED_KEYS:
+            if not _is_inert(value, NOT_SUPPORTED_KEYS[path]):
+                instead = ALTERNATIVES.get(path, "remove it from the DeepSpeed config")
+                raise ConfigError(f"`{path}` is recognised but not supported yet by megazero; {instead}")
+            _warn(f"DeepSpeed key `{path}` = {value!r} requests nothing and is ignored by megazero")
+        elif not prefix:  # DeepSpeed reads the top-level keys it knows and ignores the rest
+            close = difflib.get_close_matches(str(key), _children(""), n=1)
+            ignored.append(f"`{key}`" + (f" (did you mean `{close[0]}`?)" if close else ""))
+        else:
+            close = difflib.get_close_matches(str(key), _children(prefix), n=1)
+            if close:
+                hint = f"; did you mean `{prefix + '.' if prefix else ''}{close[0]}`?"
+            else:
+                hint = f"; megazero reads {', '.join(_children(prefix, SUPPORTED_KEYS))} here"
+            raise ConfigError(f"unknown DeepSpeed config key `{path}`{hint} (all keys: megazero/config/deepspeed.py)")
+    if ignored:
+        _warn(f"top-level DeepSpeed config keys {', '.join(ignored)} are not settings megazero knows and are "
+              "ignored (DeepSpeed ignores unknown top-level keys too)")
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, ConfigWarning, stacklevel=2)
+
+
+def _check_types(raw: Mapping[str, Any]) -> None:
+    """The optimizer and scheduler types, checked before their params (whose names depend on the type)."""
+    opt = raw.get("optimizer")
+    if isinstance(opt, Mapping):
+        if "type" not in opt:
+            raise ConfigError('`optimizer.type` is missing; use "Adam" or "AdamW"')
+        name = str(opt["type"])
+        if name.lower() in _NOT_SUPPORTED_OPTIMIZERS:
+            raise ConfigError(f'`optimizer.type` "{name}" is recognised but not supported yet by megazero; '
+                              'use "Adam" or "AdamW"')
+        if name.lower() not in _ADAM_TYPES:
+            raise ConfigError(f'unknown `optimizer.type` "{name}"; megazero supports "Adam" and "AdamW"')
+    sched = raw.get("scheduler")
+    if isinstance(sched, Mapping):
+        if "type" not in sched:
+            raise ConfigError(f"`scheduler.type` is missing; use one of {', '.join(_SCHEDULER_PARAMS)}")
+        name = str(sched["type"])
+        if name in _NOT_SUPPORTED_SCHEDULERS:
+            raise ConfigError(f'`scheduler.type` "{name}" is recognised but not supported yet by megazero; use '
+                              f"one of {', '.join(_SCHEDULER_PARAMS)}")
+        if name not in _SCHEDULER_PARAMS:
+            close = difflib.get_close_matches(name, [*_SCHEDULER_PARAMS, *_NOT_SUPPORTED_SCHEDULERS], n=1)
+            hint = f'; did you mean "{close[0]}"?' if close else ""
+            raise ConfigError(f'unknown `scheduler.type` "{name}"{hint}')
+        params = sched.get("params")
+        for key in params if isinstance(params, Mapping) else ():
+            if key not in _SCHEDULER_PARAMS[name] and f"scheduler.params.{key}" in SUPPORTED_KEYS:
+                raise ConfigError(f"`scheduler.params.{key}` is not a parameter of {name}; it takes "
+                                  f"{', '.join(sorted(_SCHEDULER_PARAMS[name]))}")
+
+
+# ---- value readers: each names the key path on a type error -----------------------------------------------
+
+
+def _int(path: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v):
+        raise ConfigError(f"`{path}` must be an integer, got {v!r}")
+    return int(v)
+
+
+def _float(path: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ConfigError(f"`{path}` must be a number, got {v!r}")
+    return float(v)
+
+
+def _bool(path: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ConfigError(f"`{path}` must be true or false, got {v!r}")
+    return v
+
+
+def _str(path: str, v: Any, choices: tuple[str, ...]) -> str:
+    if v not in choices:
+        raise ConfigError(f"`{path}` must be one of {', '.join(choices)}, got {v!r}")
+    return v
+
+
+def _stage(path: str, v: Any) -> int:
+    if _int(path, v) not in (0, 1, 2, 3):
+        raise ConfigError(f"`{path}` must be 0, 1, 2 or 3, got {v!r}")
+    return int(v)
+
+
+def _offload_device(path: str, v: Any) -> str | None:
+    if v == "nvme":
+        raise ConfigError(f'`{path}` "nvme" is recognised but not supported yet by megazero; use "cpu"')
+    return None if _str(path, v, ("none", "cpu")) == "none" else "cpu"
+
+
+def _put(out: DeepSpeedSettings, block: Mapping[str, Any], prefix: str, key: str, setting: str,
+         read: Callable[[str, Any], Any]) -> None:
+    """Map ``block[key]`` (unless absent or "auto") onto ``setting`` after ``read(path, value)``."""
+    if key in block and block[key] != _AUTO:
+        path = f"{prefix}{key}"
+        out.values[setting] = read(path, block[key])
+        out.sources[setting] = f"`{path}` = {json.dumps(block[key])}"
+
+
+def _map(raw: Mapping[str, Any], out: DeepSpeedSettings) -> None:
+    _put(out, raw, "", "train_batch_size", "training.global_batch_size", _int)
+    _put(out, raw, "", "train_micro_batch_size_per_gpu", "training.micro_batch_size", _int)
+    if "training.global_batch_size" in out.values and raw.get("train_micro_batch_size_per_gpu") is None:
+        out.implied["training.micro_batch_size"] = None  # DeepSpeed derives it: global / (accumulation x dp)
+    _put(out, raw, "", "gradient_accumulation_steps", "training.gradient_accumulation_steps", _int)
+    _put(out, raw, "", "gradient_clipping", "optimizer.clip_grad", _float)
+    _put(out, raw, "", "steps_per_print", "logging.log_interval", _int)
+    _put(out, raw, "", "steps_per_print", "logging.steps_per_print", _int)
+    _map_optimizer(raw.get("optimizer"), out)
+    _map_scheduler(raw.get("scheduler"), out)
+    _map_precision(raw, out)
+    _map_grad_dtype(raw, out)
+    zero = raw.get("zero_optimization") or {}
+    z = "zero_optimization."
+    _put(out, zero, z, "stage", "zero.stage", _stage)
+    for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+                "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance"):
+        _put(out, zero, z, key, f"zero.{key}", _int)
+    for key in ("overlap_comm", "reduce_scatter", "contiguous_gradients"):
+        _put(out, zero, z, key, f"zero.{key}", _bool)
+    for what in ("offload_optimizer", "offload_param"):  # device "none" (DeepSpeed's default): no offload
+        off = zero.get(what) or {}
+        _put(out, off, f"{z}{what}.", "device", f"zero.{what}", _offload_device)
+        _put(out, off, f"{z}{what}.", "pin_memory", f"zero.{what}_pin_memory", _bool)
+    ac = raw.get("activation_checkpointing") or {}
+    for key in ("partition_activations", "cpu_checkpointing"):
+        _put(out, ac, "activation_checkpointing.", key, f"activation_checkpointing.{key}", _bool)
+
+
+def _map_grad_dtype(raw: Mapping[str, Any], out: DeepSpeedSettings) -> None:
+    """``communication_data_type`` and ``data_types.grad_accum_dtype``: megazero accumulates and reduces
+    gradients in one dtype (``zero.grad_dtype``), so the two must agree when both are given."""
+    def read(path: str, v: Any) -> str:
+        return _str(path, v, ("fp32", "bf16", "fp16"))
+
+    _put(out, raw, "", "communication_data_type", "zero.grad_dtype", read)
+    first = out.values.get("zero.grad_dtype"), out.sources.get("zero.grad_dtype")
+    _put(out, raw.get("data_types") or {}, "data_types.", "grad_accum_dtype", "zero.grad_dtype", read)
+    if first[0] is not None and out.values["zero.grad_dtype"] != first[0]:
+        raise ConfigError(f"{first[1]} and {out.sources['zero.grad_dtype']} disagree: megazero accumulates and "
+                          "reduces gradients in one dtype; make them equal or drop one")
+
+
+def _map_optimizer(opt: Mapping[str, Any] | None, out: DeepSpeedSettings) -> None:
+    if opt is None:
+        return
+    params = opt.get("params") or {}
+    kind = str(opt["type"]).lower()
+    w_mode = params.get("adam_w_mode", True)
+    w_mode = True if w_mode == _AUTO else _bool("optimizer.params.adam_w_mode", w_mode)
+    if kind == "adamw" and not w_mode:
+        _warn("`optimizer.params.adam_w_mode` false is ignored: DeepSpeed's AdamW is always decoupled")
+    name = "adamw" if kind == "adamw" or w_mode else "adam"
+    out.values["optimizer.name"] = name
+    meaning = "decoupled weight decay" if name == "adamw" else "L2-style weight decay"
+    default = " (its default)" if "adam_w_mode" not in params else ""
+    out.sources["optimizer.name"] = (f"`optimizer.type` = {json.dumps(opt['type'])} with "
+                                     f"adam_w_mode {str(w_mode).lower()}{default}, i.e. {meaning}")
+    p = "optimizer.params."
+    _put(out, params, p, "lr", "optimizer.lr", _float)
+    _put(out, params, p, "eps", "optimizer.eps", _float)
+    _put(out, params, p, "weight_decay", "optimizer.weight_decay", _float)
+    betas = params.get("betas")
+    if betas is not None and betas != _AUTO:
+        if not isinstance(betas, (list, tuple)) or len(betas) != 2:
+            raise ConfigError(f"`optimizer.params.betas` must be a list of two numbers, got {betas!r}")
+        for i, b in enumerate(betas):
+            _put(out, {f"betas[{i}]": b}, p, f"betas[{i}]", f"optimizer.beta{i + 1}", _float)
+    # DeepSpeed's (FusedAdam's) defaults for whatever the block leaves out.
+    defaults = {"lr": {"optimizer.lr": 1e-3}, "betas": {"optimizer.beta1": 0.9, "optimizer.beta2": 0.999},
+                "eps": {"optimizer.eps": 1e-8}, "weight_decay": {"optimizer.weight_decay": 0.0}}
+    for key, settings in defaults.items():
+        if key not in params:
+            out.implied.update(settings)
+
+
+def _map_scheduler(sched: Mapping[str, Any] | None, out: DeepSpeedSettings) -> None:
+    if sched is None:
+        return
+    kind, params, p = sched["type"], sched.get("params") or {}, "scheduler.params."
+    out.values["scheduler.name"] = _SCHEDULER_NAMES[kind]
+    out.sources["scheduler.name"] = f"`scheduler.type` = {json.dumps(kind)}"
+    _put(out, params, p, "warmup_num_steps", "scheduler.warmup_steps", _int)
+    _put(out, params, p, "warmup_type", "scheduler.warmup_type", lambda k, v: _str(k, v, ("log", "linear")))
+    _put(out, params, p, "total_num_steps", "scheduler.decay_steps", _int)
+    implied = {"scheduler.warmup_steps": 1000, "scheduler.warmup_type": "log"}
+    if kind == "WarmupCosineLR":
+        _put(out, params, p, "warmup_min_ratio", "scheduler.warmup_min_ratio", _float)
+        _put(out, params, p, "cos_min_ratio", "scheduler.min_ratio", _float)
+        implied.update({"scheduler.warmup_min_ratio": 0.0, "scheduler.min_ratio": 1e-4})
+    else:  # WarmupLR, WarmupDecayLR: warmup_max_lr is the peak and overrides the optimizer's lr
+        _put(out, params, p, "warmup_min_lr", "scheduler.warmup_min_lr", _float)
+        implied["scheduler.warmup_min_lr"] = 0.0
+        opt_lr = out.values.get("optimizer.lr")
+        peak = params.get("warmup_max_lr", 1e-3)
+        if peak != _AUTO:
+            peak = _float(f"{p}warmup_max_lr", peak)
+            if opt_lr is not None and opt_lr != peak:
+                said = "" if "warmup_max_lr" in params else " (DeepSpeed's default: the key is missing)"
+                raise ConfigError(f"`optimizer.params.lr` = {opt_lr} disagrees with `{p}warmup_max_lr` = "
+                                  f"{peak}{said}, and {kind} uses warmup_max_lr as the peak lr; make them "
+                                  'equal or set one to "auto"')
+            if "warmup_max_lr" in params:
+                _put(out, params, p, "warmup_max_lr", "optimizer.lr", _float)
+            else:
+                out.implied["optimizer.lr"] = peak
+    for setting, value in implied.items():
+        out.implied.setdefault(setting, value)
+    auto = {"warmup_num_steps": "scheduler.warmup_steps", "warmup_type": "scheduler.warmup_type",
+            "warmup_min_lr": "scheduler.warmup_min_lr", "warmup_max_lr": "optimizer.lr",
+            "warmup_min_ratio": "scheduler.warmup_min_ratio", "cos_min_ratio": "scheduler.min_ratio"}
+    for setting in [*out.values, *(auto[k] for k, v in params.items() if v == _AUTO and k in auto)]:
+        out.implied.pop(setting, None)  # stated, or "auto": the flag or megazero's default, not DeepSpeed's
+
+
+def _map_precision(raw: Mapping[str, Any], out: DeepSpeedSettings) -> None:
+    enabled = []
+    for block, precision in (("fp16", "fp16"), ("bf16", "bf16"), ("bfloat16", "bf16")):
+        if not isinstance(raw.get(block), Mapping):
+            continue
+        flag = raw[block].get("enabled", False)  # DeepSpeed: a block without "enabled" is disabled
+        if flag == _AUTO:
+            continue
+        source = f"`{block}.enabled` = {json.dumps(flag)}"
+        if _bool(f"{block}.enabled", flag):
+            enabled.append(block)
+            out.values["training.precision"], out.sources["training.precision"] = precision, source
+        else:
+            out.excluded.append(("training.precision", precision, source))
+    if len(enabled) > 1:
+        raise ConfigError(f"`{enabled[0]}.enabled` and `{enabled[1]}.enabled` are both true; enable one")
+    fp16, p = raw.get("fp16") or {}, "fp16."
+    _put(out, fp16, p, "loss_scale", "loss_scale.loss_scale", _float)
+    _put(out, fp16, p, "initial_scale_power", "loss_scale.initial_scale_power", _int)
+    _put(out, fp16, p, "loss_scale_window", "loss_scale.loss_scale_window", _int)
+    _put(out, fp16, p, "hysteresis", "loss_scale.hysteresis", _int)
+    _put(out, fp16, p, "min_loss_scale", "loss_scale.min_loss_scale", _float)

@@ -1,0 +1,105 @@
+"""FLOPs of a training step by Megatron-LM's count, the datasheet peaks of known GPUs, and the throughput figures
+(tokens/s, TFLOP/s per GPU, MFU, HFU) a run logs and the planner's roofline predicts: one definition for both."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["PEAK_FLOPS", "megatron_hardware_flops", "megatron_model_flops", "peak_flops_per_device", "throughput"]
+
+
+def megatron_model_flops(batch: float, seq_len: int, num_layers: int, hidden: int, vocab: int) -> float:
+    """Model FLOPs of one step (forward + backward) by Megatron-LM's count, no recomputation.
+
+    ``72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))`` for ``batch`` = B sequences of ``seq_len`` = s tokens (the
+    global batch), l layers, hidden size h and vocabulary V (Narayanan et al. 2021, appendix). MFU always
+    uses this count.
+    """
+    s, h, n = seq_len, hidden, num_layers
+    return 72.0 * batch * s * n * h * h * (1 + s / (6 * h) + vocab / (12 * n * h))
+
+
+def megatron_hardware_flops(batch: float, seq_len: int, num_layers: int, hidden: int, vocab: int,
+                            checkpointing: str = "none") -> float:
+    """FLOPs the hardware executes in one step, recomputation included (the numerator of HFU).
+
+    ``none``: the model FLOPs. ``full`` (every layer's forward run twice): Megatron-LM's
+    ``96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))``. ``selective`` (attention core recomputed): the model FLOPs plus
+    one more forward of the ``QKᵀ`` and attention-over-V matmuls, ``4·B·s²·h`` per layer.
+    """
+    s, h, n = seq_len, hidden, num_layers
+    if checkpointing == "full":
+        return 96.0 * batch * s * n * h * h * (1 + s / (6 * h) + vocab / (16 * n * h))
+    model = megatron_model_flops(batch, seq_len, num_layers, hidden, vocab)
+    if checkpointing == "selective":
+        return model + 4.0 * batch * s * s * h * n
+    return model
+
+
+# Dense (no sparsity) peak FLOP/s per device by compute dtype, from the vendors' datasheets. "tf32" is the
+# tensor-core rate fp32 matmuls get when torch.backends.cuda.matmul.allow_tf32 is on, "fp32" the plain rate.
+# Matched against torch.cuda.get_device_name() in order, first hit wins (so "H100 PCIe" before "H100").
+PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
+    ("H100 PCIe", {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51.2e12}),
+    ("H100 NVL", {"bf16": 835.5e12, "fp16": 835.5e12, "tf32": 417.5e12, "fp32": 60e12}),
+    ("H100", {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),  # SXM
+    ("H200 NVL", {"bf16": 835.5e12, "fp16": 835.5e12, "tf32": 417.5e12, "fp32": 60e12}),
+    ("H200", {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),  # SXM
+    ("GH200", {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),
+    ("B200", {"bf16": 2250e12, "fp16": 2250e12, "tf32": 1100e12, "fp32": 80e12}),
+    ("A100", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
+    ("A800", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
+    ("L40S", {"bf16": 362.05e12, "fp16": 362.05e12, "tf32": 183.2e12, "fp32": 91.6e12}),
+    ("L4", {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12}),
+    ("A10", {"bf16": 125e12, "fp16": 125e12, "tf32": 62.5e12, "fp32": 31.2e12}),
+    ("V100", {"fp16": 125e12, "fp32": 15.7e12}),
+]
+
+
+def peak_flops_per_device(precision: str, device: torch.device | str | None = None,
+                          peak_tflops: float | None = None, device_name: str | None = None) -> float | None:
+    """Dense peak FLOP/s of one device for ``precision`` (fp32 | bf16 | fp16), or None where unknown (CPU).
+
+    ``peak_tflops`` (``--peak-tflops``), else ``MEGAZERO_PEAK_TFLOPS`` (TFLOP/s, per device), overrides the
+    table; otherwise the CUDA device's name (or ``device_name``) is looked up in :data:`PEAK_FLOPS`. fp32
+    uses the TF32 rate when PyTorch allows TF32 matmuls.
+    """
+    if peak_tflops is not None:
+        return peak_tflops * 1e12
+    env = os.environ.get("MEGAZERO_PEAK_TFLOPS")
+    if env:
+        return float(env) * 1e12
+    if device_name is None:
+        dev = torch.device(device) if device is not None else None
+        if dev is None or dev.type != "cuda" or not torch.cuda.is_available():
+            return None
+        device_name = torch.cuda.get_device_name(dev)
+    key = precision
+    if precision == "fp32" and torch.backends.cuda.matmul.allow_tf32:
+        key = "tf32"
+    for pattern, peaks in PEAK_FLOPS:
+        if pattern.lower() in device_name.lower():
+            return peaks.get(key)
+    return None
+
+
+def throughput(tokens: int, seq_len: int, seconds: float, world_size: int, num_layers: int, hidden: int,
+               vocab: int, checkpointing: str = "none", peak_flops: float | None = None) -> dict[str, float | None]:
+    """``tokens_per_s``, ``tflops_per_gpu`` (model FLOPs), ``mfu`` and ``hfu`` of one step over the whole job.
+
+    ``tokens`` is the global batch's token count (so B = tokens / seq_len sequences), ``seconds`` the step's
+    wall time, ``peak_flops`` one device's peak FLOP/s (``mfu``/``hfu`` are None without it). ``vocab`` is the
+    (padded) vocabulary the LM head multiplies by.
+    """
+    batch = tokens / seq_len
+    model = megatron_model_flops(batch, seq_len, num_layers, hidden, vocab)
+    hardware = megatron_hardware_flops(batch, seq_len, num_layers, hidden, vocab, checkpointing)
+    per_gpu = model / seconds / world_size
+    return {
+        "tokens_per_s": tokens / seconds,
+        "tflops_per_gpu": per_gpu / 1e12,
+        "mfu": per_gpu / peak_flops if peak_flops else None,
+        "hfu": hardware / seconds / world_size / peak_flops if peak_flops else None,
+    }

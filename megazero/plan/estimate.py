@@ -1,0 +1,498 @@
+"""Memory estimator: per-rank model-state and activation bytes of a GPT for a (tp, pp, dp) grid and ZeRO stage.
+
+Model states follow the ZeRO paper (arXiv 1910.02054) with Ψ replaced by Ψ_r, the parameters one rank really
+holds (DESIGN.md): its TP shard of its pipeline stage, the vocabulary padded as :class:`VocabParallelEmbedding`
+pads it, TP-replicated pieces (LayerNorms, row-parallel biases, position embeddings) in full, and the tied
+embedding copy on the last stage. What each stage keeps per rank, as ``megazero/zero`` holds it:
+
+===========  ==========================  ===========================  ==========================
+precision    parameters                  gradients                    master + Adam moments
+===========  ==========================  ===========================  ==========================
+bf16/fp16    2Ψ (stage 3: 2Ψ/Nd)         2Ψ (stages 2-3: 2Ψ/Nd)       (4 + 8)Ψ (stages 1-3: /Nd)
+fp32         4Ψ (stage 3: 4Ψ/Nd)         4Ψ (stages 2-3: 4Ψ/Nd)       0 + 8Ψ (stages 1-3: /Nd)
+===========  ==========================  ===========================  ==========================
+
+In fp32 the parameters are their own master copy, so there is no separate master (``master_params_bytes`` is
+0 in the measured records too). At stage 3, parameters of at most ``stage3_param_persistence_threshold``
+elements stay whole on every rank (DeepSpeed's rule, as :mod:`megazero.zero.stage3.params` does). Padding of the
+flat buffers (under ``dp * 16`` elements per buffer) is not counted.
+
+Activations are the bytes autograd saves for backward during one micro-batch's forward, which is what
+:class:`megazero.observe.memory.ActivationMemoryCounter` measures. The count follows Korthikanti et al. (arXiv
+2205.05198), whose per-layer figure is ``sbh(34 + 5as/h)`` bytes in 16 bits with dropout and unfused
+attention, adapted to this implementation (see :func:`activation_bytes`). :func:`korthikanti_layer_bytes`
+gives the paper's figure for comparison.
+
+Pure arithmetic: no torch import, so the command-line tool starts instantly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megazero.config.schema import ModelConfig, ZeroConfig
+
+__all__ = [
+    "ELEMENT_BYTES",
+    "ModelStateBytes",
+    "PeakEstimate",
+    "activation_bytes",
+    "checkpoint_host_bytes",
+    "in_flight_micro_batches",
+    "korthikanti_layer_bytes",
+    "model_state_bytes",
+    "padded_vocab_size",
+    "peak_bytes",
+    "rank_parameter_numels",
+    "recompute_bytes",
+    "stage_layers",
+]
+
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+_CHECKPOINTING = ("none", "selective", "full")
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int, pad_multiple: int = 128) -> int:
+    """The vocabulary as the model lays it out: a multiple of ``pad_multiple * tp_size``."""
+    chunk = pad_multiple * tp_size
+    return math.ceil(vocab_size / chunk) * chunk
+
+
+def stage_layers(num_layers: int, pp_size: int, layout: Sequence[int] | None = None) -> list[range]:
+    """Contiguous layer ranges per pipeline stage, as :mod:`megazero.pipeline.partition` splits them.
+
+    Balanced by default (sizes differ by at most one, the later stages take the extra layers); ``layout``
+    gives each stage's layer count (``--pp-layout``).
+    """
+    if layout is not None:
+        if len(layout) != pp_size or sum(layout) != num_layers or min(layout) < 1:
+            raise ValueError(f"layout {list(layout)} must give each of {pp_size} stages >= 1 layer, "
+                             f"{num_layers} in all")
+        sizes = list(layout)
+    else:
+        if not 1 <= pp_size <= num_layers:
+            raise ValueError(f"--pp {pp_size} needs 1 <= pp <= --num-layers {num_layers}")
+        base, extra = divmod(num_layers, pp_size)
+        sizes = [base + (r >= pp_size - extra) for r in range(pp_size)]
+    starts = [sum(sizes[:r]) for r in range(pp_size)]
+    return [range(a, a + n) for a, n in zip(starts, sizes)]
+
+
+def rank_parameter_numels(model: ModelConfig, tp_size: int = 1, pp_size: int = 1, pp_rank: int = 0,
+                          layers: range | None = None, virtual_stages: int = 1,
+                          layout: Sequence[int] | None = None) -> dict[str, int]:
+    """Element count of every parameter one rank holds, by the model's parameter name (Ψ_r is their sum).
+
+    The first stage holds the token and position embeddings, the last the final LayerNorm and the tied token
+    embedding (its own copy when pp > 1); column-parallel weights and biases and the vocabulary are split over
+    TP, the rest is replicated in full. With ``virtual_stages`` V > 1 the rank holds chunks ``c * pp + rank``
+    of ``pp * V`` stages, named ``"{c}.{name}"`` as in an ``nn.ModuleList`` of chunks.
+    """
+    if virtual_stages > 1:
+        total = pp_size * virtual_stages
+        ranges = stage_layers(model.num_layers, total, layout)
+        out: dict[str, int] = {}
+        for c in range(virtual_stages):
+            v = c * pp_size + pp_rank
+            chunk = rank_parameter_numels(model, tp_size, total, v, ranges[v])
+            out.update({f"{c}.{k}": n for k, n in chunk.items()})
+        return out
+    h, t = model.hidden_size, tp_size
+    if model.num_heads % t or h % t:
+        raise ValueError(f"--num-heads {model.num_heads} and --hidden-size {h} must be divisible by --tp {t}")
+    layers = stage_layers(model.num_layers, pp_size, layout)[pp_rank] if layers is None else layers
+    first, last = pp_rank == 0, pp_rank == pp_size - 1
+    out = {}
+    if first or last:
+        out["wte.weight"] = padded_vocab_size(model.vocab_size, t) // t * h
+    if first:
+        out["wpe.weight"] = model.seq_len * h
+    ffn = model.ffn_hidden_size
+    for i in layers:
+        p = f"blocks.{i}."
+        out.update({
+            p + "ln_1.weight": h, p + "ln_1.bias": h,
+            p + "attn.qkv.weight": 3 * h * h // t, p + "attn.qkv.bias": 3 * h // t,
+            p + "attn.proj.weight": h * h // t, p + "attn.proj.bias": h,
+            p + "ln_2.weight": h, p + "ln_2.bias": h,
+            p + "mlp.fc.weight": ffn * h // t, p + "mlp.fc.bias": ffn // t,
+            p + "mlp.proj.weight": h * ffn // t, p + "mlp.proj.bias": h,
+        })
+    if last:
+        out["ln_f.weight"] = h
+        out["ln_f.bias"] = h
+    return out
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    """Model-state bytes one rank holds; ``offloaded`` is the part of them kept in host memory."""
+
+    params: float
+    grads: float
+    master_params: float
+    optimizer_states: float
+    offloaded: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.master_params + self.optimizer_states
+
+    @property
+    def device(self) -> float:
+        """What stays in accelerator memory."""
+        return self.total - self.offloaded
+
+    def as_record(self) -> dict[str, float]:
+        """The figures under the keys of a metrics.jsonl memory record."""
+        return {"params_bytes": self.params, "grads_bytes": self.grads, "master_params_bytes": self.master_params,
+                "optimizer_states_bytes": self.optimizer_states}
+
+
+def model_state_bytes(numels: Sequence[int] | float, stage: int, dp_size: int, precision: str = "bf16",
+                      persistence_threshold: int = 0, offload_optimizer: bool = False,
+                      offload_param: bool = False, grad_dtype: str = "auto") -> ModelStateBytes:
+    """Per-rank model-state bytes of a replica of ``numels`` parameters (a list, or just their total Ψ_r).
+
+    ``persistence_threshold`` applies at stage 3 and needs the per-parameter list. ``offload_optimizer``
+    moves the fp32 master copy and Adam moments to host memory, ``offload_param`` (stage 3) the parameter
+    shards as well; both count in ``offloaded``, with the fp32 host copy of the owned gradients that offload
+    adds to ``grads``. ``grad_dtype`` (``--grad-dtype``) sets the gradient bytes g
+    per parameter: ``auto`` is 4 in bf16 (fp32 accumulation and reduction) and the model's in fp16/fp32,
+    ``fp32`` 4, ``model`` the model's (the ZeRO paper's 2Ψ). bf16 with fp32 gradients holds 18Ψ at stage 0,
+    6Ψ + 12Ψ/Nd at stage 1 and 2Ψ + 16Ψ/Nd at stage 2.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0-3, got {stage}")
+    if precision not in ELEMENT_BYTES:
+        raise ValueError(f"precision must be one of {sorted(ELEMENT_BYTES)}, got {precision!r}")
+    sizes = [float(numels)] if isinstance(numels, (int, float)) else [float(n) for n in numels]
+    psi = sum(sizes)
+    persistent = sum(n for n in sizes if n <= persistence_threshold) if stage == 3 else 0.0
+    e, nd = ELEMENT_BYTES[precision], dp_size
+    if grad_dtype not in ("auto", "fp32", "model", precision):
+        raise ValueError(f"grad_dtype must be auto, fp32 or model, got {grad_dtype!r}")
+    g = 4 if grad_dtype == "fp32" or (grad_dtype == "auto" and precision == "bf16") else e
+    params = e * persistent + e * (psi - persistent) / nd if stage == 3 else e * psi
+    grads = g * psi / nd if stage >= 2 else g * psi
+    owned = psi / nd if stage >= 1 else psi
+    # fp32: the parameters are their own master copy, unless offload keeps a separate one in host memory
+    master = 4 * owned if e != 4 or offload_optimizer else 0.0
+    states = 8 * owned  # Adam's two fp32 moments
+    host_grads = 4 * owned if offload_optimizer else 0.0  # the fp32 host copy Adam reads, allocated once
+    grads += host_grads
+    offloaded = (master + states + host_grads if offload_optimizer else 0.0) + (
+        e * (psi - persistent) / nd if offload_param and stage == 3 else 0.0)
+    return ModelStateBytes(params, grads, master, states, offloaded)
+
+
+def korthikanti_layer_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, tp_size: int = 1,
+                            sequence_parallel: bool = False, checkpointing: str = "none") -> float:
+    """Korthikanti et al.'s activation bytes of one transformer layer (16-bit, dropout, unfused attention).
+
+    ``sbh(34 + 5as/h)`` with no parallelism; ``sbh(10 + 24/t + 5as/(ht))`` with TP; ``sbh/t (34 + 5as/h)``
+    with TP and SP; selective recomputation drops the ``5as/h`` term; full recomputation keeps ``2sbh``
+    (``2sbh/t`` with SP).
+    """
+    s, b, h, a, t = seq_len, micro_batch, hidden, heads, tp_size
+    sbh = s * b * h
+    attn = 0.0 if checkpointing == "selective" else 5 * a * s / h
+    if checkpointing == "full":
+        return 2 * sbh / (t if sequence_parallel else 1)
+    if sequence_parallel and t > 1:
+        return sbh / t * (34 + attn)
+    return sbh * (10 + 24 / t + attn / t)
+
+
+@dataclass(frozen=True)
+class _LayerBytes:
+    """One transformer layer's saved bytes, split the way recomputation needs them."""
+
+    total: float  # everything one layer saves for backward without recomputation
+    core: float  # the attention core's own tensors (dropped by selective recomputation)
+    qkv: float  # q, k, v: this rank's heads (what selective recomputation keeps)
+    core_output: float  # the fused core's output, which shares storage with the projection's input
+    layer_input: float  # the layer input (what full recomputation keeps), a sequence shard with SP
+
+
+def _layer_bytes(model: ModelConfig, micro_batch: int, tp_size: int, sequence_parallel: bool, precision: str,
+                 fused_attention: bool, mask_bytes: int) -> _LayerBytes:
+    if precision not in ELEMENT_BYTES:
+        raise ValueError(f"precision must be one of {sorted(ELEMENT_BYTES)}, got {precision!r}")
+    e, t = ELEMENT_BYTES[precision], tp_size
+    s, b, h, a = model.seq_len, micro_batch, model.hidden_size, model.num_heads
+    sb, sbh = s * b, s * b * h
+    sp = t if sequence_parallel and t > 1 else 1  # residual-stream tensors are split over the sequence
+    drop = model.dropout > 0
+    if fused_attention:
+        core = 4 * a * sb / t
+    else:  # the math path copies q (scaled) and k (transposed); v too when b > 1, else v's view keeps all of qkv
+        core = e * a * s * sb / t + ((mask_bytes + e) * a * s * sb / t if drop else 0)
+        core += 2 * e * sbh / t if micro_batch == 1 else 0
+    total = (4 * e * sbh + 4 * e * sb) / sp + 12 * e * sbh / t + core + (2 * mask_bytes * sbh / sp if drop else 0)
+    return _LayerBytes(total, core, 3 * e * sbh / t, e * sbh / t if fused_attention else 0.0, e * sbh / sp)
+
+
+def _check_checkpointing(checkpointing: str) -> None:
+    if checkpointing not in _CHECKPOINTING:
+        raise ValueError(f"activation checkpointing must be one of {_CHECKPOINTING}, got {checkpointing!r}")
+
+
+def activation_bytes(model: ModelConfig, micro_batch: int, *, tp_size: int = 1, sequence_parallel: bool = False,
+                     precision: str = "bf16", checkpointing: str = "none", layers: int | None = None,
+                     first_stage: bool = True, last_stage: bool = True, fused_attention: bool = True,
+                     partition_activations: bool = False, cpu_checkpointing: bool = False,
+                     mask_bytes: int = 1) -> float:
+    """Bytes autograd saves on the device during one micro-batch's forward on one rank (``layers`` layers).
+
+    Per layer, with ``e`` bytes per element of the compute dtype and ``sbh`` = sequence x micro-batch x hidden:
+
+    * LayerNorm inputs ``2e·sbh`` and their mean/rstd ``4e·sb`` (divided by t with SP);
+    * inputs of the column-parallel layers (qkv, fc) ``2e·sbh``: replicated over TP; with SP only the sequence
+      shard is saved and gathered again in backward (as Megatron-LM does), ``2e·sbh/t``;
+    * TP-sharded tensors ``12e·sbh/t``: q, k, v (3), attention output = projection input (1), GELU input (4)
+      and the second MLP input (4) -- the paper's 24/t in 16 bits;
+    * attention core: fused (flash/efficient SDPA, no dropout in the kernel's memory) ``4·asb/t`` for the fp32
+      log-sum-exp; unfused ``e·as²b/t`` for the softmax (+ ``(m + e)·as²b/t`` for its dropout mask and output)
+      and, at micro-batch 1, ``2e·sbh/t`` more: the math path saves copies of q and k while v stays a view
+      that keeps the whole qkv buffer alive (with b > 1 v is copied too, and the copies replace q, k, v);
+    * with dropout: two masks ``2m·sbh`` (/t with SP).
+
+    ``m`` = ``mask_bytes`` is the size of a dropout-mask element: 1 where kernels keep bool masks (CUDA), the
+    compute dtype's ``e`` on CPU, whose kernels keep them as floats (and run attention with dropout unfused).
+
+    The first stage adds the token ids (and the vocab-parallel lookup's masked ids and mask), the last the
+    final LayerNorm, the LM head's input (a sequence shard with SP), the logits of this rank's vocabulary slice
+    in the compute dtype (the chunked cross-entropy keeps them for backward, no fp32 copy), its fp32
+    log-sum-exp per token and the targets.
+
+    Recomputation (:mod:`megazero.tensor_parallel.recompute`) changes what the forward saves:
+
+    * ``full`` keeps only each layer's input, ``e·sbh`` (/t with SP; /t with ``partition_activations``, which
+      splits the TP-replicated input over the TP ranks; 0 with ``cpu_checkpointing``, which holds it in host
+      memory, see :func:`checkpoint_host_bytes`);
+    * ``selective`` drops the attention core's tensors and keeps q, k, v (``3e·sbh/t``; 0 on the device with
+      ``cpu_checkpointing``).
+
+    Backward then recomputes one layer (or core) at a time; that transient is not part of this per-micro-batch
+    figure but comes once per rank on top of the stash, :func:`recompute_bytes`.
+    """
+    _check_checkpointing(checkpointing)
+    t = tp_size
+    lb = _layer_bytes(model, micro_batch, t, sequence_parallel, precision, fused_attention, mask_bytes)
+    e = ELEMENT_BYTES[precision]
+    s, b, h = model.seq_len, micro_batch, model.hidden_size
+    sb, sbh = s * b, s * b * h
+    sp = t if sequence_parallel and t > 1 else 1
+    n_layers = model.num_layers if layers is None else layers
+    drop = model.dropout > 0
+
+    if checkpointing == "none":
+        total = n_layers * lb.total
+    elif checkpointing == "selective":
+        total = n_layers * (lb.total - lb.core - (lb.qkv if cpu_checkpointing else 0))
+    else:
+        kept = 0.0 if cpu_checkpointing else lb.layer_input / (t if partition_activations and sp == 1 else 1)
+        total = n_layers * kept
+
+    if first_stage:
+        total += 8 * sb if t == 1 else 9 * sb  # ids; vocab-parallel: masked local ids + out-of-range mask
+        total += mask_bytes * sbh / sp if drop else 0
+    if last_stage:
+        v_local = padded_vocab_size(model.vocab_size, t) // t
+        total += (2 * e * sbh + 2 * e * sb) / sp  # final LayerNorm input and stats, LM-head input
+        total += e * sb * v_local  # the logits of this rank's vocabulary slice, kept by the chunked loss
+        total += 4 * sb + 8 * sb  # the loss's fp32 log-sum-exp per token; the int64 targets
+    return total
+
+
+def recompute_bytes(model: ModelConfig, micro_batch: int, *, tp_size: int = 1, sequence_parallel: bool = False,
+                    precision: str = "bf16", checkpointing: str = "none", fused_attention: bool = True,
+                    mask_bytes: int = 1) -> float:
+    """Bytes one recomputation saves for its own backward: the transient that recomputation adds, once per
+    rank, on top of the stashed micro-batches (what :class:`~megazero.tensor_parallel.recompute.CheckpointStats`
+    measures as ``recompute_peak_bytes``).
+
+    ``full``: one whole layer, its restored input included (:func:`activation_bytes` with no recomputation,
+    per layer). ``selective``: q, k, v again (views of the kept qkv), the core's tensors and, for a fused core,
+    its output, which in the recomputation is a new tensor. ``none``: 0. Counting the restored input in full
+    makes this an upper bound by ``e·sbh`` where the kept input itself is reused (no partitioning, no offload).
+    """
+    _check_checkpointing(checkpointing)
+    lb = _layer_bytes(model, micro_batch, tp_size, sequence_parallel, precision, fused_attention, mask_bytes)
+    if checkpointing == "full":
+        return lb.total
+    if checkpointing == "selective":
+        return lb.qkv + lb.core + lb.core_output
+    return 0.0
+
+
+def checkpoint_host_bytes(model: ModelConfig, micro_batch: int, *, tp_size: int = 1,
+                          sequence_parallel: bool = False, precision: str = "bf16", checkpointing: str = "none",
+                          layers: int | None = None, partition_activations: bool = False) -> float:
+    """Host bytes ``cpu_checkpointing`` holds for one micro-batch: the kept inputs of ``layers`` layers
+    (``full``: each layer's input, /t when partitioned; ``selective``: q, k, v)."""
+    _check_checkpointing(checkpointing)
+    lb = _layer_bytes(model, micro_batch, tp_size, sequence_parallel, precision, True, 1)
+    n_layers = model.num_layers if layers is None else layers
+    split = tp_size if partition_activations and not (sequence_parallel and tp_size > 1) else 1
+    kept = {"none": 0.0, "selective": lb.qkv, "full": lb.layer_input / split}[checkpointing]
+    return n_layers * kept
+
+
+def in_flight_micro_batches(pp_size: int, pp_rank: int, schedule: str = "1f1b", micro_batches: int = 1) -> int:
+    """Micro-batches whose activations a pipeline stage holds at once: 1 without PP, ``pp - pp_rank`` with
+    1F1B (at most ``micro_batches``), all ``micro_batches`` with GPipe."""
+    if pp_size == 1:
+        return 1
+    if schedule == "gpipe":
+        return micro_batches
+    return max(1, min(pp_size - pp_rank, micro_batches))
+
+
+@dataclass(frozen=True)
+class PeakEstimate:
+    """A rank's predicted peak of live tensors during a step, in the parts the tracker
+    (:class:`megazero.observe.memory.PeakMemoryTracker`) measures."""
+
+    model_states: float  # parameters, gradients, master copy and Adam moments at rest (where they count)
+    activations: float  # the micro-batches stashed at once
+    comm_buffers: float  # gradient staging buckets (stage 2, stage 3's persistent parameters)
+    transient: float  # what backward allocates on top at its peak: recomputation, fresh gradients; stage 3:
+    # gathered units and a block's gradient staging
+    optimizer_transient: float = 0.0  # on top of the states and buffers once activations are freed
+    released: float = 0.0  # of the above, not live at the backward peak (stage 3; see peak_bytes)
+
+    @property
+    def backward(self) -> float:
+        """The peak of backward."""
+        return self.model_states + self.activations + self.comm_buffers + self.transient - self.released
+
+    @property
+    def optimizer_step(self) -> float:
+        """The peak once the activations are freed: the end of backward and the optimizer step."""
+        return self.model_states + self.comm_buffers + self.optimizer_transient
+
+    @property
+    def total(self) -> float:
+        return max(self.backward, self.optimizer_step)
+
+
+def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int, tp_size: int = 1,
+               pp_size: int = 1, pp_rank: int = 0, precision: str = "bf16", checkpointing: str = "none",
+               sequence_parallel: bool = False, micro_batches: int = 1, schedule: str = "1f1b",
+               offload_optimizer: bool = False, offload_param: bool = False, host_counts: bool = False,
+               persistence_threshold: int = 100_000, bucket_numel: int | None = None, overlap_comm: bool = False,
+               max_inflight: int = 2, fused_attention: bool = True, mask_bytes: int = 1) -> PeakEstimate:
+    """The peak of one training step on one rank: the larger of the peak where backward begins on the stashed
+    micro-batches and the peak of the optimizer step.
+
+    * model states as :func:`model_state_bytes` (offloaded ones only with ``host_counts``, e.g. on a CPU run
+      where host and device are one memory);
+    * activations: :func:`activation_bytes` times :func:`in_flight_micro_batches`;
+    * communication buffers (stages 2-3, as ``megazero/zero`` holds them): the gradient staging buckets of
+      stage 2 and of stage 3's persistent parameters, ``e·min(bucket, Ψ)`` per buffer: one without
+      ``overlap_comm`` (each reduction completes before the next bucket opens), ``max_inflight`` with it.
+      ``bucket_numel`` None is :meth:`ZeroConfig.bucket_numel <megazero.config.schema.ZeroConfig.bucket_numel>`'s
+      default for this rank's Ψ (stage 2: Ψ/16 over the buffers); stage 3: see below;
+    * transients: one layer's recomputation (:func:`recompute_bytes`) and the fresh gradient autograd makes
+      before it is accumulated -- of the largest parameter (on the last stage the tied embedding, whose
+      gradient the LM head's backward produces first) -- plus the gradient of the LM head's input, ``e·sbh``
+      (before the last pipeline stage: the gradient received and the output sent, ``2e·sbh``);
+    * once activations are freed (stages 0-2): the states, the buffers above and three model-dtype tensors the
+      size of the largest parameter. On a GPT that is the tied embedding at the end of backward: the LM head's
+      weight gradient (``mm``), the lookup's (``embedding_dense_backward``) and autograd's out-of-place sum of
+      the two (``add``), before it is accumulated (traced on a 50M-parameter GPT, where it sets the peak, in
+      DDP too).
+
+    An upper bound where the peak of a phase does not coincide with the others' (the staging buckets fill as
+    activations are freed).
+
+    Stage 3 (:mod:`megazero.zero.stage3.params`) is followed through its backward, the largest of: as it begins
+    (the chunk's own units gathered, the next block prefetched, the LM head's fresh gradient of the tied
+    embedding); during each block's backward (that block and the next gathered, one block's gradient
+    staging, the largest block parameter's fresh gradient, the head's gradient of the tied embedding held
+    by autograd until the embedding's backward adds to it; the chunk's own units are released by then, and
+    the activations of the blocks already done are freed); at each block's reduction (the block released, its
+    staging and, where the reduction dtype is wider than the model's, one converted chunk of the model
+    dtype's bytes, its owned part allocated); and at the embedding's backward (the embedding's
+    and the head's gradients and their sum, or one of them and the own units' staging). With one micro-batch
+    per step the owned gradient partition fills unit by unit as backward reduces it (:attr:`PeakEstimate.
+    released` says what is not yet there, and the activations freed); with several it is whole from the
+    second on. ``released`` is that difference from the sum of the other fields.
+    """
+    e = ELEMENT_BYTES[precision]
+    numel = rank_parameter_numels(model, tp_size, pp_size, pp_rank)
+    sizes = list(numel.values())
+    ms = model_state_bytes(sizes, stage, dp_size, precision, persistence_threshold, offload_optimizer,
+                           offload_param and stage == 3)
+    states = ms.total if host_counts else ms.device
+    layers = stage_layers(model.num_layers, pp_size)[pp_rank]
+    first, last = pp_rank == 0, pp_rank == pp_size - 1
+    common = dict(tp_size=tp_size, sequence_parallel=sequence_parallel, precision=precision,
+                  checkpointing=checkpointing, fused_attention=fused_attention, mask_bytes=mask_bytes)
+    act = activation_bytes(model, micro_batch, **common, layers=len(layers), first_stage=first, last_stage=last)
+    act *= in_flight_micro_batches(pp_size, pp_rank, schedule, micro_batches)
+    comm = 0.0
+    eg = 4 if precision == "bf16" else e  # gradients are staged and reduced in fp32 in bf16 (--grad-dtype)
+    if stage >= 2:
+        whole = [n for n in sizes if stage == 2 or n <= persistence_threshold]  # staged in buckets
+        psi_w = sum(whole)
+        if bucket_numel is None:
+            bucket_numel = ZeroConfig(stage=stage, max_inflight_buckets=max_inflight,
+                                      overlap_comm=overlap_comm).bucket_numel(int(psi_w), dp_size)
+        buffers = min(max_inflight, math.ceil(psi_w / bucket_numel)) if overlap_comm else 1
+        comm = eg * min(bucket_numel, psi_w) * buffers
+    s, h = model.seq_len, model.hidden_size
+    sp = tp_size if sequence_parallel and tp_size > 1 else 1
+    # the LM head input's gradient (last stage), or the gradient received from the next stage (the others)
+    transient = recompute_bytes(model, micro_batch, **common) + e * max(sizes) + e * s * micro_batch * h / sp
+    if not last:
+        transient += e * s * micro_batch * h / sp  # and the output just sent, held until the send completes
+    if stage != 3:
+        return PeakEstimate(states, act, comm, transient, 3 * e * max(sizes))
+    blocks_act = activation_bytes(model, micro_batch, **common, layers=len(layers), first_stage=False,
+                                  last_stage=False)
+    gathered, released = _stage3_backward(numel, persistence_threshold, e, eg, dp_size, micro_batches,
+                                          blocks_act, first, last, pp_size)
+    # the optimizer step works on owned slices: three fp32 tensors of the largest one at most
+    return PeakEstimate(states, act, comm, transient + gathered, 3 * e * max(sizes) / dp_size, released)
+
+
+def _stage3_backward(numel: dict[str, int], threshold: int, e: int, eg: int, dp_size: int, micro_batches: int,
+                     blocks_act: float, first: bool, last: bool, pp_size: int) -> tuple[float, float]:
+    """Stage 3's backward peak beyond the states, activations and the common transients of :func:`peak_bytes`
+    (its docstring): ``(bytes added, bytes released)`` at the largest of the moments it lists."""
+    big = {k: n for k, n in numel.items() if n > threshold}
+    blocks: dict[str, float] = {}
+    for k, n in big.items():
+        if k.startswith("blocks."):
+            blocks[k.split(".")[1]] = blocks.get(k.split(".")[1], 0) + n
+    root = sum(n for k, n in big.items() if not k.startswith("blocks."))
+    block, n_blocks = max(blocks.values(), default=0), len(blocks)
+    block_param = max((n for k, n in big.items() if k.startswith("blocks.")), default=0)
+    largest = max(numel.values())  # counted in the common transient: the fresh gradient at the head
+    wte = big.get("wte.weight", 0)
+    held = e * wte if first and last else 0.0  # the head's gradient of the tied embedding, until the embedding
+
+    def missing(reduced_blocks: float) -> float:  # owned gradient parts not yet reduced (one micro-batch)
+        return eg * (root + (n_blocks - reduced_blocks) * block) / dp_size if micro_batches == 1 else 0.0
+
+    # staging in the model dtype where the reduction's is wider, converted in chunks of the model dtype's bytes
+    es, chunk = min(e, eg), (e if e < eg else 0)
+    # (added, released): as backward begins, during the i-th block's backward and at its reduction (the
+    # block released, its owned part allocated), at the embedding's backward
+    moments = [(e * (root + block), missing(0))]
+    for i in range(n_blocks):
+        prefetched = block if i < n_blocks - 1 else 0
+        done = blocks_act * i / max(n_blocks, 1)
+        added = e * (block + prefetched) + es * block + e * block_param + held - e * largest
+        moments.append((added, missing(i) + done))
+        added = e * prefetched + (es + chunk) * block + held - e * largest
+        moments.append((added, missing(i + 1) + done))
+    if first and wte:
+        added = max(3 * e * wte if last else e * wte, e * wte + (es + chunk) * root) - e * largest
+        moments.append((added, missing(n_blocks) + blocks_act))
+    return max(moments, key=lambda m: m[0] - m[1])

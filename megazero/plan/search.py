@@ -1,0 +1,212 @@
+"""Search the layouts of a GPT run on N GPUs: estimate each one's peak memory and step time, rank the fits.
+
+A :class:`Layout` is one choice of tp (inside a node), pp, dp, ZeRO stage, micro-batch size, recomputation,
+optimizer offload, sequence parallelism and pipeline schedule. :func:`evaluate` gives its per-rank peak
+(:func:`megazero.plan.estimate.peak_bytes`: model states, the stashed micro-batches -- rescaled for the interleaved
+schedule's in-flight chunks --, communication buffers and backward's transients), the volume each rank moves per step over TP, PP and DP (counted the
+way :class:`megazero.distributed.ledger.CommLedger` counts them) and a roofline step time
+(:func:`megazero.plan.roofline.step_time`). :func:`search` enumerates every layout, drops those that do not fit
+and ranks the rest by estimated step time. ``tools/plan.py`` is the command line.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from functools import lru_cache
+
+from megazero.config.schema import ModelConfig
+from megazero.distributed.context import RankGrid
+from megazero.observe.flops import megatron_model_flops
+from megazero.plan.estimate import in_flight_micro_batches, peak_bytes, rank_parameter_numels, stage_layers
+from megazero.plan.roofline import Cluster, StepTime, group_nodes, mfu, step_time
+
+__all__ = ["Layout", "Plan", "dp_volume", "evaluate", "layouts", "search", "torchrun_command"]
+
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    zero_stage: int
+    micro_batch_size: int
+    checkpointing: str = "none"
+    offload: bool = False
+    sequence_parallel: bool = False
+    virtual_stages: int = 1  # > 1: the interleaved schedule
+
+    @property
+    def schedule(self) -> str:
+        return "interleaved" if self.virtual_stages > 1 else "1f1b"
+
+    def flags(self) -> list[str]:
+        """The ``pretrain/gpt.py`` flags of this layout."""
+        out = ["--tp", str(self.tp), "--pp", str(self.pp), "--dp", str(self.dp), "--zero-stage",
+               str(self.zero_stage), "--micro-batch-size", str(self.micro_batch_size)]
+        if self.sequence_parallel:
+            out.append("--sequence-parallel")
+        if self.virtual_stages > 1:
+            out += ["--pp-schedule", "interleaved", "--virtual-stages", str(self.virtual_stages)]
+        if self.checkpointing != "none":
+            out += ["--activation-checkpointing", self.checkpointing]
+        if self.offload:
+            out.append("--offload-optimizer")
+        return out
+
+
+@dataclass
+class Plan:
+    layout: Layout
+    peak_bytes: float  # the largest rank's estimated peak
+    peak_pp_rank: int  # the pipeline stage where it occurs
+    states_bytes: float  # that rank's model states on the device
+    activation_bytes: float  # that rank's activations at the peak (stash + backward's transients)
+    other_bytes: float  # communication buffers: gradient staging, stage 3's gathered units
+    tp_bytes: float  # per rank and step
+    pp_bytes: float
+    dp_bytes: float
+    time: StepTime
+    mfu: float
+    fits: bool
+
+
+def dp_volume(stage: int, psi: float, micro_batches: int) -> tuple[float, float]:
+    """(gradient, parameter) elements one rank moves over DP per step (the ledger's logical counts).
+
+    Stage 0: one all-reduce of the gradient (2Ψ). Stage 1: reduce-scatter Ψ, all-gather of the updated
+    parameters Ψ. Stage 2 reduces every micro-batch: mΨ, plus the all-gather Ψ. Stage 3 gathers in forward and
+    backward and reduce-scatters per micro-batch: mΨ of gradients, 2mΨ of parameters.
+    """
+    m = micro_batches
+    return {0: (2 * psi, 0.0), 1: (psi, psi), 2: (m * psi, psi), 3: (m * psi, 2 * m * psi)}[stage]
+
+
+def _tp_elements(model: ModelConfig, lay: Layout, layers: int, first: bool, last: bool, m: int) -> float:
+    """TP elements per step: per layer and micro-batch 4 all-reduces of b·s·h (2 forward, 2 backward; SP's
+    all-gather + reduce-scatter count the same), 2 more recomputed with full recomputation; the vocab-parallel
+    embedding's forward all-reduce and the LM head's backward all-reduce."""
+    if lay.tp == 1:
+        return 0.0
+    bsh = lay.micro_batch_size * model.seq_len * model.hidden_size
+    per_layer = (8 + (4 if lay.checkpointing == "full" else 0)) * bsh
+    return m * (layers * per_layer + (2 * bsh if first else 0) + (2 * bsh if last else 0))
+
+
+@lru_cache(maxsize=4096)
+def _numels(model: ModelConfig, tp: int, pp: int, rank: int, v: int) -> tuple[int, ...]:
+    return tuple(rank_parameter_numels(model, tp, pp, rank, virtual_stages=v).values())
+
+
+def evaluate(model: ModelConfig, lay: Layout, global_batch: int, c: Cluster, precision: str = "bf16",
+             persistence_threshold: int = 100_000, reduce_bucket_size: int | None = None) -> Plan:
+    """Peak memory, volumes and step time of one layout (the worst pipeline stage for memory and time).
+
+    ``reduce_bucket_size`` None uses the bucket a run with default settings picks
+    (:meth:`ZeroConfig.bucket_numel <megazero.config.schema.ZeroConfig.bucket_numel>`)."""
+    e = ELEMENT_BYTES[precision]
+    grad_bytes = 2 if precision == "fp16" else 4  # bf16 accumulates and reduces gradients in fp32
+    m = global_batch // (lay.micro_batch_size * lay.dp)
+    v = lay.virtual_stages
+    grid = RankGrid(lay.tp * lay.pp * lay.dp, lay.tp, lay.pp, lay.dp)
+    gpn = c.gpus_per_node
+    crosses = {k: group_nodes(grid.group_of(k, grid.world_size - 1), gpn) > 1 for k in ("tp", "pp", "dp")}
+    n_chunks = lay.pp * v
+    chunk_layers = stage_layers(model.num_layers, n_chunks)
+    worst_mem: tuple | None = None
+    slowest: StepTime | None = None
+    vols = [0.0, 0.0, 0.0]  # tp, pp, dp bytes: the largest over the stages
+    for r in range(lay.pp):
+        numels = _numels(model, lay.tp, lay.pp, r, v)
+        psi = float(sum(numels))
+        layers = sum(len(chunk_layers[c_ * lay.pp + r]) for c_ in range(v))
+        first, last = r == 0, r == lay.pp - 1
+        pe = peak_bytes(model, lay.micro_batch_size, stage=lay.zero_stage, dp_size=lay.dp, tp_size=lay.tp,
+                        pp_size=lay.pp, pp_rank=r, precision=precision, checkpointing=lay.checkpointing,
+                        sequence_parallel=lay.sequence_parallel, micro_batches=m, schedule="1f1b",
+                        offload_optimizer=lay.offload and lay.zero_stage >= 1,
+                        persistence_threshold=persistence_threshold, bucket_numel=reduce_bucket_size)
+        states, acts, other = pe.model_states, pe.activations, pe.comm_buffers
+        if v > 1:  # interleaved: (pp - rank - 1)*2 + (v - 1)*pp + 1 chunk forwards in flight, 1/v of the stage each
+            k1 = in_flight_micro_batches(lay.pp, r, "1f1b", m)
+            acts *= min(m * v, (lay.pp - r - 1) * 2 + (v - 1) * lay.pp + 1) / (v * k1)
+        acts += pe.transient
+        peak = states + acts + other
+        g, p_ = dp_volume(lay.zero_stage, psi, m)
+        tp_el = _tp_elements(model, lay, layers, first, last, m)
+        seq = model.seq_len // (lay.tp if lay.sequence_parallel else 1)
+        pp_el = 0.0 if lay.pp == 1 else m * v * lay.micro_batch_size * seq * model.hidden_size * (
+            (0 if last and v == 1 else 1) + (0 if first and v == 1 else 1))
+        owned = psi / lay.dp if lay.zero_stage >= 1 else psi
+        t = step_time(c=c, precision=precision, global_batch=global_batch, seq_len=model.seq_len,
+                      num_layers=model.num_layers, hidden=model.hidden_size,
+                      vocab=model.vocab_size, checkpointing=lay.checkpointing, tp=lay.tp, pp=lay.pp, dp=lay.dp,
+                      micro_batches=m, virtual_stages=v, tp_elements=tp_el, pp_elements=pp_el,
+                      dp_grad_elements=g, dp_param_elements=p_, grad_bytes=grad_bytes, owned_params=owned,
+                      offload=lay.offload, tp_crosses=crosses["tp"], pp_crosses=crosses["pp"],
+                      dp_crosses=crosses["dp"])
+        mem = (peak, r, states, acts, other)
+        worst_mem = mem if worst_mem is None or peak > worst_mem[0] else worst_mem
+        slowest = t if slowest is None or t.total > slowest.total else slowest
+        vols = [max(a, b) for a, b in zip(vols, (tp_el * e, pp_el * e, g * grad_bytes + p_ * e))]
+    assert worst_mem is not None and slowest is not None
+    peak, r, states, acts, other = worst_mem
+    t = slowest
+    model_flops = megatron_model_flops(global_batch, model.seq_len, model.num_layers, model.hidden_size,
+                                       model.vocab_size)
+    return Plan(lay, peak, r, states, acts, other, *vols, t,
+                mfu(model_flops, t.total, grid.world_size, c, precision), peak <= c.usable_memory_bytes)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(model: ModelConfig, gpus: int, global_batch: int, gpus_per_node: int, *,
+            micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16), stages: tuple[int, ...] = (0, 1, 2, 3),
+            checkpointing: tuple[str, ...] = ("none", "selective", "full"), offload: tuple[bool, ...] = (False, True),
+            virtual_stages: tuple[int, ...] = (1, 2)) -> list[Layout]:
+    """Every valid layout: tp divides the GPUs of a node and the heads; pp <= layers; the global batch splits
+    into dp x micro-batch x accumulation; interleaving needs m divisible by pp and enough layers; offload needs
+    a ZeRO stage; sequence parallelism needs tp > 1."""
+    out = []
+    for tp in _divisors(min(gpus_per_node, gpus)):
+        if model.num_heads % tp or model.hidden_size % tp or gpus % tp:
+            continue
+        for pp in _divisors(gpus // tp):
+            dp = gpus // (tp * pp)
+            if pp > model.num_layers or global_batch % dp:
+                continue
+            for mbs, stage, ckpt, off, v, sp in itertools.product(
+                    micro_batch_sizes, stages, checkpointing, offload, virtual_stages, (False, True)):
+                m, rem = divmod(global_batch, mbs * dp)
+                if rem or m < 1 or (off and stage == 0) or (sp and (tp == 1 or model.seq_len % tp)):
+                    continue
+                if v > 1 and (pp == 1 or m % pp or model.num_layers < pp * v or stage == 3):
+                    continue
+                out.append(Layout(tp, pp, dp, stage, mbs, ckpt, off, sp, v))
+    return out
+
+
+def search(model: ModelConfig, gpus: int, global_batch: int, c: Cluster, precision: str = "bf16",
+           **kw) -> tuple[list[Plan], int]:
+    """Every fitting layout ranked by estimated step time (fastest first), and how many were tried."""
+    cands = layouts(model, gpus, global_batch, c.gpus_per_node, **kw)
+    plans = [evaluate(model, lay, global_batch, c, precision) for lay in cands]
+    fits = sorted((p for p in plans if p.fits), key=lambda p: (p.time.total, p.peak_bytes))
+    return fits, len(cands)
+
+
+def torchrun_command(plan: Plan, model_flags: list[str], global_batch: int, precision: str,
+                     gpus_per_node: int) -> str:
+    """The launch command of a plan on ``world / gpus_per_node`` nodes (run it on every node)."""
+    world = plan.layout.tp * plan.layout.pp * plan.layout.dp
+    nodes = max(1, world // gpus_per_node)
+    per_node = min(world, gpus_per_node)
+    launch = [f"torchrun --nnodes {nodes} --nproc-per-node {per_node}"]
+    if nodes > 1:
+        launch.append("--rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500 --rdzv-id megazero")
+    args = [*model_flags, *plan.layout.flags(), "--global-batch-size", str(global_batch), "--precision", precision]
+    return " ".join([*launch, "pretrain/gpt.py", *args])

@@ -1,0 +1,205 @@
+"""One training step: the recipe that composes the model, the ZeRO optimizer and the pipeline schedule.
+
+The recipe, in order:
+
+1. build this rank's model chunks: its TP shard of its pipeline stage (of each virtual stage it runs);
+2. initialise them from the seed by unsharded parameter name, so every topology starts from the same weights;
+3. wrap them in the ZeRO optimizer over the DP group;
+4. each step, run the pipeline schedule over the micro-batches (with one stage: forward/backward per
+   micro-batch) and let the optimizer reduce over DP, sum the tied embedding's gradient over its two copies
+   (first and last stage, partitioned alike at every ZeRO stage), clip and update.
+
+The loss of a step is the token-weighted mean over the whole global batch (all micro-batches, all DP ranks):
+each micro-batch contributes ``sum(per-token loss) / tokens_in_global_batch`` to the gradient, so the summed
+gradient over DP ranks equals the single-process gradient of the mean. It is computed on the last stage and
+broadcast along the pipeline, so every rank reports the same number.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megazero.config.schema import Config
+from megazero.distributed import device_io
+from megazero.distributed.context import ParallelContext
+from megazero.model.gpt import GPT, full_state_dict, parameter_initializer
+from megazero.pipeline.executor import PipelineExecutor
+from megazero.pipeline.p2p import PipelineP2P
+from megazero.pipeline.partition import stage_specs
+from megazero.pipeline.schedules import build_schedule, transfer_units
+from megazero.tensor_parallel import IGNORE_INDEX
+from megazero.tensor_parallel.layers import VOCAB_PAD_MULTIPLE, pad_size
+from megazero.tensor_parallel.random import RNGTracker
+from megazero.train.lr_schedule import lr_at
+from megazero.zero.optimizer import PRECISION_DTYPES, ZeroOptimizer, grad_norm_weights
+
+__all__ = ["Engine", "StepResult"]
+
+MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (input ids [B, S], targets [B, S])
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    loss_scale: float | None
+    skipped: bool
+    tokens: int  # tokens in the global batch
+    micro_batches: int
+    peak_in_flight: float = 1.0  # most micro-batches whose activations this rank held at once
+
+
+class Engine:
+    """Builds this rank's model chunks and optimizer from a resolved :class:`Config` and runs steps."""
+
+    def __init__(self, cfg: Config, ctx: ParallelContext, device: torch.device | None = None) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        self.device = device or torch.device("cpu")
+        p, m = cfg.parallel, cfg.model
+        self.schedule = p.pp_schedule if ctx.pp_size > 1 else "1f1b"
+        self.virtual_stages = p.virtual_stages if self.schedule == "interleaved" else 1
+        self.specs = stage_specs(m.num_layers, ctx.pp_size, ctx.pp_rank, self.virtual_stages, p.pp_layout)
+        self.rng_tracker = RNGTracker(cfg.training.seed, ctx.tp_rank, self.device)
+        # the chunks are built without storage (meta device); the optimizer materialises them into its buffers
+        # one parameter at a time (stages 0-2) or one gather unit at a time, sharded (stage 3): no rank holds a
+        # second full copy of its replica, and at stage 3 not even one
+        with torch.device("meta"):
+            self.chunks = [
+                GPT(m, ctx.tp_group, layers=s.layers, pre_process=s.pre_process, post_process=s.post_process,
+                    sequence_parallel=p.sequence_parallel, rng_tracker=self.rng_tracker,
+                    activation_checkpointing=cfg.activation_checkpointing)
+                for s in self.specs
+            ]
+        param_init = parameter_initializer(self.chunks, cfg.training.seed, ctx.tp_group, self.device)
+        # the tied embedding's second copy (last stage, pp > 1): summed with the first, counted once in the norm
+        self.tied = [c.wte.weight for c in self.chunks if hasattr(c, "wte")] if ctx.pp_size > 1 else []
+        self.model = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
+        norm_counted = grad_norm_weights(self.model, ctx.tp_rank)
+        for chunk in self.chunks:
+            if chunk.post_process and not chunk.pre_process and ctx.pp_size > 1:
+                norm_counted[chunk.wte.weight] = False
+        self.optimizer = ZeroOptimizer(
+            self.model, cfg.zero, cfg.optimizer, dp_group=ctx.dp_group, norm_group=ctx.mp_group,
+            norm_counted=norm_counted, precision=cfg.training.precision, loss_scale_cfg=cfg.loss_scale,
+            tied_params=self.tied, tied_group=ctx.embedding_group if self.tied else None,
+            param_init=param_init, device=self.device,
+        )
+        p2p = None
+        if ctx.pp_size > 1:
+            seq = m.seq_len // ctx.tp_size if p.sequence_parallel else m.seq_len
+            shape = (cfg.training.micro_batch_size, seq, m.hidden_size)
+            p2p = PipelineP2P(ctx.pp_group, shape, PRECISION_DTYPES[cfg.training.precision], self.device,
+                              self.virtual_stages)
+        if self.device.type == "cuda":  # TF32 for fp32 matmuls (--no-tf32 for exact fp32, e.g. parity runs)
+            torch.backends.cuda.matmul.allow_tf32 = cfg.training.tf32
+            torch.backends.cudnn.allow_tf32 = cfg.training.tf32
+        if cfg.training.compile:  # MEGAZERO_COMPILE_BACKEND: another torch.compile backend (tests: aot_eager)
+            backend = os.environ.get("MEGAZERO_COMPILE_BACKEND", "inductor")
+            for chunk in self.chunks:
+                chunk.compile_blocks(backend=backend)
+        self.executor = PipelineExecutor(self.chunks, self.specs, p2p, ctx.pp_rank, ctx.pp_size, self.device)
+        self.activation_peak_bytes = 0  # most saved-activation bytes held at once, over all steps
+        self.step = 0  # optimizer steps taken
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return pad_size(self.cfg.model.vocab_size, VOCAB_PAD_MULTIPLE * self.ctx.tp_size)
+
+    def lr(self, step: int | None = None) -> float:
+        t = self.cfg.training
+        return lr_at(self.step if step is None else step, self.cfg.scheduler, self.cfg.optimizer.lr, t.train_steps)
+
+    def _global_tokens(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
+        """Tokens in the loss over the whole global batch, as a 0-dim fp64 tensor on the DP group's device.
+
+        Counted where the targets live (no host read), summed over DP ranks on the device."""
+        local = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches)
+        n = torch.as_tensor(local, dtype=torch.float64).reshape(1).to(self.ctx.dp_group.device, non_blocking=True)
+        self.ctx.dp_group.all_reduce(n, tag="loss")
+        return n[0]
+
+    def _global_loss(self, loss_sum: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The token-weighted mean loss as a 0-dim device tensor: the last stage's loss sums added over DP
+        ranks, then broadcast along the pipeline from the last stage (no host read)."""
+        total = loss_sum.reshape(1).clone()
+        self.ctx.dp_group.all_reduce(total, tag="loss")
+        self.ctx.pp_group.broadcast(total, src=self.ctx.pp_size - 1, tag="loss")
+        return total[0] / tokens
+
+    @torch.no_grad()
+    def check_tied_embeddings(self, rtol: float = 1e-6) -> float:
+        """Verify that the first and last stage hold the same tied embedding; raise on every rank if not.
+
+        A collective over the whole world (so no rank waits for a peer that raised); returns the relative
+        difference ``||E_last - E_first|| / ||E_first||`` (0 without pipelining).
+        """
+        if self.ctx.pp_size == 1:
+            return 0.0
+        world = self.ctx.world_group
+        rel = torch.zeros(1, dtype=torch.float64, device=world.device)
+        with self.optimizer.gathered_parameters():
+            for w in self.tied:
+                first, last = self.ctx.embedding_group.all_gather_list(w.detach().double().contiguous())
+                rel = torch.maximum(rel, (last - first).norm() / first.norm().clamp_min(1e-30))
+        world.all_reduce(rel, op="max")
+        value = device_io.read(rel)[0]
+        if value > rtol:
+            raise RuntimeError(
+                f"the tied word embedding differs between the first and last pipeline stage (relative difference"
+                f" {value:.3e} > {rtol:g}): its two copies must receive the same summed gradient and update;"
+                " a checkpoint or custom code changed one copy only")
+        return value
+
+    def train_step(self, micro_batches: list[MicroBatch]) -> StepResult:
+        """One optimizer step over this DP rank's micro-batches of the global batch."""
+        for chunk in self.chunks:
+            chunk.train()
+        opt = self.optimizer
+        opt.zero_grad(micro_batches=len(micro_batches))
+        tokens = self._global_tokens(micro_batches)
+        sched = (self.schedule, self.ctx.pp_size, self.ctx.pp_rank, len(micro_batches), self.virtual_stages)
+        stats = self.executor.run(build_schedule(*sched), micro_batches, tokens, opt.backward,
+                                  units=transfer_units(*sched))
+        self.activation_peak_bytes = max(self.activation_peak_bytes, stats.peak_activation_bytes)
+        loss_t = self._global_loss(stats.loss_sum, tokens)
+        sq_norm_t = opt.prepare_step()
+        # the step's one read from the device: loss, squared gradient norm and token count together
+        loss, sq_norm, n_tokens = device_io.read(torch.stack([loss_t, sq_norm_t.to(loss_t.dtype), tokens]))
+        lr = self.lr()
+        step_stats = opt.finish_step(lr, sq_norm)
+        self.ctx.ledger.mark_step()
+        self.step += 1
+        return StepResult(
+            step=self.step, loss=loss, lr=lr, grad_norm=step_stats.grad_norm, loss_scale=step_stats.loss_scale,
+            skipped=step_stats.skipped, tokens=int(n_tokens), micro_batches=len(micro_batches),
+            peak_in_flight=stats.peak_in_flight,
+        )
+
+    @torch.no_grad()
+    def eval_loss(self, micro_batches: list[MicroBatch]) -> float:
+        """Token-weighted mean loss over the global batch, run through the pipeline without a graph."""
+        for chunk in self.chunks:
+            chunk.eval()
+        tokens = self._global_tokens(micro_batches)
+        # the training schedule's forwards in its order: every chunk's actions, transfers paired alike
+        actions = build_schedule(self.schedule, self.ctx.pp_size, self.ctx.pp_rank, len(micro_batches),
+                                 self.virtual_stages)
+        with self.optimizer.gathered_parameters():
+            stats = self.executor.run(actions, micro_batches, tokens, backward=None)
+        return device_io.read(self._global_loss(stats.loss_sum, tokens))[0]
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters, unsharded over TP, in fp32 (a collective over the TP and, at stage 3, DP
+        groups). Merge the dicts of every pipeline rank for the whole model."""
+        out: dict[str, torch.Tensor] = {}
+        with self.optimizer.gathered_parameters():
+            for chunk in self.chunks:
+                out.update(full_state_dict(chunk, self.ctx.tp_group))
+        return out

@@ -1,0 +1,408 @@
+"""Which state each ZeRO stage shards, and :class:`BucketedParams`: the flat parameter and gradient buffers of
+stages 0-2 (and of stage 3's persistent parameters), reduced over the DP group bucket by bucket.
+
+The flat layouts, owned segments and bucket cuts it builds on live in :mod:`megazero.zero.flat` (re-exported
+here).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megazero.distributed import device_io
+from megazero.distributed.group import Group
+from megazero.zero.flat import FlatLayout, OwnedSegment, Piece, build_buckets, set_data, storage_bytes
+
+__all__ = [
+    "BucketedParams",
+    "FlatLayout",
+    "OwnedSegment",
+    "Piece",
+    "ShardedState",
+    "build_buckets",
+    "set_data",
+    "sharded_state",
+    "storage_bytes",
+]
+
+
+@dataclass(frozen=True)
+class ShardedState:
+    """Which model states a ZeRO stage partitions across the data-parallel group."""
+
+    optimizer_states: bool
+    gradients: bool
+    parameters: bool
+
+
+def sharded_state(stage: int) -> ShardedState:
+    """What is sharded at ``stage``: 0 nothing, 1 optimizer states (P_os), 2 + gradients (P_os+g), 3 + params."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage} (--zero-stage / zero_optimization.stage)")
+    return ShardedState(optimizer_states=stage >= 1, gradients=stage >= 2, parameters=stage >= 3)
+
+
+class BucketedParams:
+    """Parameters in flat buckets whose gradients are reduced over the DP group bucket by bucket.
+
+    The parameters, laid end to end in reverse registration order (roughly the order backward produces their
+    gradients), are cut into buckets of ``bucket_numel`` elements (:func:`build_buckets`: a parameter may
+    continue in the next bucket); each bucket is a :class:`FlatLayout` over the DP group (``shard_optimizer``)
+    or over this rank alone, and every parameter becomes a view into one flat model-dtype buffer. Gradients
+    are accumulated and reduced in ``grad_dtype`` (default: the model dtype; fp32 for bf16 training).
+    ``groups`` are the model chunks of an interleaved pipeline (default: one): no bucket spans two groups, and
+    a backward touches only the buckets of the chunk that ran. Policy:
+
+    * ``shard_gradients`` False (stages 0-1): one flat gradient buffer of Ψ elements, allocated once. A hook
+      copies the first gradient of a step into it (later micro-batches add), so it is never zeroed; with
+      ``grad_dtype`` equal to the model dtype ``p.grad`` then points into it and backward accumulates in
+      place, otherwise ``p.grad`` is dropped (Megatron-LM's ``main_grad``). During the last micro-batch's
+      backward of each group (known from :meth:`zero_grad`'s ``micro_batches``), a bucket is all-reduced
+      (stage 0) or reduced-scattered in place (stage 1) as soon as its last gradient arrives, overlapped with
+      the rest of backward (DDP-style; waited on in :meth:`reduce_gradients`). 2Ψ resp. Ψ per step, whatever
+      the number of micro-batches m.
+    * ``shard_gradients`` True (stage 2): a hook copies each gradient into its bucket's staging buffer, taken
+      from a pool of ``max_inflight`` buffers of one bucket's size allocated once; a full bucket is
+      reduce-scattered at once (asynchronously with ``overlap_comm``) and its shard copied or added into this
+      rank's owned gradient buffer (one contiguous buffer of ~Ψ/Nd) when its buffer is needed again or at the
+      end of the backward. At most ``max_inflight`` buckets are being filled or reduced at any time, so the
+      unreduced gradient never exists whole. When every buffer holds a bucket still being filled, the oldest
+      is reduced as it is and its late gradients reopen it (more traffic, never more memory). Ψ per micro-batch.
+
+    Every rank issues its reductions in the order its gradients arrive, which is the same on every rank of the
+    DP group (same graph, same code). With ``shard_optimizer``, :meth:`after_step` all-gathers the updated
+    slices into every rank's buffer (Ψ). With ``reduce_scatter`` False, gradients are all-reduced instead (2Ψ
+    per reduction) and the slice kept. Parameters in ``isolate`` get buckets of their own, so this rank owns
+    the same elements of them whatever else the store holds (the tied embedding's two pipeline copies must be
+    partitioned alike, given the same ``bucket_numel``).
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], dtype: torch.dtype, dp_group: Group, *,
+                 shard_optimizer: bool, shard_gradients: bool, bucket_numel: int, align: int = 16,
+                 overlap_comm: bool = False, reduce_scatter: bool = True,
+                 isolate: Sequence[nn.Parameter] = (), grad_dtype: torch.dtype | None = None,
+                 max_inflight: int = 2, groups: Sequence[Sequence[nn.Parameter]] | None = None,
+                 param_init: Callable[[nn.Parameter], torch.Tensor] | None = None,
+                 device: torch.device | None = None) -> None:
+        if shard_gradients and not shard_optimizer:
+            raise ValueError("sharded gradients need sharded optimizer states (ZeRO stage 2 includes stage 1)")
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight (--max-inflight-buckets) must be >= 1, got {max_inflight}")
+        self.dp_group = dp_group
+        self.dtype = dtype
+        self.grad_dtype = grad_dtype or dtype
+        self.shard_optimizer = shard_optimizer
+        self.shard_gradients = shard_gradients
+        self.overlap_comm = overlap_comm
+        self.reduce_scatter = reduce_scatter
+        self.max_inflight = max_inflight
+        self.rank = dp_group.rank if shard_optimizer else 0
+        order = list(reversed(list(params)))
+        self.params = order
+        group_of = {p: i for i, g in enumerate(groups or ()) for p in g}
+        n_ranks = dp_group.size if shard_optimizer else 1
+        # (start, the parameter of each piece, layout whose bases say where each piece starts in its parameter)
+        self.buckets: list[tuple[int, list[nn.Parameter], FlatLayout]] = []
+        self._bucket_group: list[int] = []
+        # parameter -> its pieces (bucket, offset in the bucket, offset in the parameter, numel, piece index)
+        self._pieces: dict[nn.Parameter, list[tuple[int, int, int, int, int]]] = {p: [] for p in order}
+        self._start: dict[nn.Parameter, int] = {}  # where the parameter starts in the flat buffers
+        start = 0
+        isolated = [any(p is q for q in isolate) for p in order]
+        for cut in build_buckets([p.numel() for p in order], bucket_numel, isolated,
+                                 [group_of.get(p, 0) for p in order], multiple=n_ranks * align):
+            b = len(self.buckets)
+            ps = [order[i] for i, _, _ in cut]
+            layout = FlatLayout([n for _, _, n in cut], n_ranks, align, [base for _, base, _ in cut])
+            for j, ((i, base, n), off) in enumerate(zip(cut, layout.offsets)):
+                p = order[i]
+                self._start.setdefault(p, start + off)
+                if self._start[p] + base != start + off:  # a cut parameter continues without padding
+                    raise AssertionError(f"parameter {tuple(p.shape)} laid out with a gap at bucket {b}")
+                self._pieces[p].append((b, off, base, n, j))
+            self.buckets.append((start, ps, layout))
+            self._bucket_group.append(group_of.get(ps[0], 0))
+            start += layout.padded_numel
+        self.numel = start
+        device = device or (order[0].device if order else None)
+        self.param_flat = torch.empty(start, dtype=dtype, device=device)
+        gdt = self.grad_dtype
+        if shard_gradients:
+            self.grad_flat = None
+            self.owned_grad = torch.zeros(sum(lay.shard_numel for _, _, lay in self.buckets), dtype=gdt,
+                                          device=device)
+        else:  # zero once: hooks copy into it, and the padding is only ever written by the reductions (zeros)
+            self.grad_flat = torch.zeros(start, dtype=gdt, device=device)
+            self.owned_grad = None
+        ranges = [(s, *lay.shard_range(self.rank)) for s, _, lay in self.buckets]
+        # the owned slices' fp32 starting values for a mixed-precision master copy (zeros in the padding)
+        inits = [torch.zeros(hi - lo, dtype=torch.float32, device=device) if dtype != torch.float32 else None
+                 for _, lo, hi in ranges]
+        for s, _, layout in self.buckets:
+            self.param_flat[s + layout.numel: s + layout.padded_numel].zero_()
+        for p in order:  # one parameter's full fp32 value at a time (from param_init when built on the meta device)
+            value = param_init(p) if p.is_meta else p.detach()
+            pv = self.param_flat[self._start[p]: self._start[p] + p.numel()].view(p.shape)
+            pv.copy_(value)
+            for b, off, base, n, _ in self._pieces[p]:
+                _, lo, hi = ranges[b]
+                a, z = max(off, lo), min(off + n, hi)
+                if inits[b] is not None and a < z:
+                    inits[b][a - lo: z - lo].copy_(value.reshape(-1)[base + a - off: base + z - off])
+            del value
+            set_data(p, pv)
+        self.segments: list[OwnedSegment] = []
+        owned_off = 0
+        for (s, ps, layout), (_, lo, hi), init in zip(self.buckets, ranges, inits):
+            if shard_gradients:
+                grad = self.owned_grad[owned_off: owned_off + layout.shard_numel]
+                owned_off += layout.shard_numel
+            else:
+                grad = self.grad_flat[s + lo: s + hi]
+            pieces = [(ps[pc.index], pc.offset, pc.offset + pc.numel) for pc in layout.pieces(lo, hi)]
+            self.segments.append(OwnedSegment(self.param_flat[s + lo: s + hi], grad, pieces, init))
+        # gradients land in ``p.grad`` views of grad_flat (stages 0-1 in the model dtype) or pass through hooks
+        self._grad_views = not shard_gradients and gdt == dtype
+        # stage 2: the staging pool (allocated on first use, never again) and the buckets using it
+        self._pool_numel = max((lay.padded_numel for _, _, lay in self.buckets), default=0)
+        self._pool: list[torch.Tensor] = []
+        self._free: list[int] = []
+        self._open: dict[int, int] = {}  # bucket -> pool buffer, in the order they were opened
+        self._filled: dict[int, set[int]] = {}  # open bucket -> pieces copied into its buffer
+        self._inflight: deque[tuple[object, int, int]] = deque()  # (work, bucket, pool buffer)
+        # stages 0-1: this step's reductions, started in the last micro-batch's backward of each group
+        self._pending: list[object] = []
+        self._launched = [False] * len(self.buckets)
+        self._written: set[nn.Parameter] = set()  # parameters whose gradient this step is in grad_flat
+        self._owned_written = [False] * len(self.buckets)  # stage 2: owned slices holding this step's sums
+        # per backward: pieces still to arrive per bucket, groups touched; per step: passes per group
+        self._remaining = [len(ps) for _, ps, _ in self.buckets]
+        self._touched: set[int] = set()
+        self._passes: dict[int, int] = {}
+        self.micro_batches: int | None = None
+        for p in order:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+        self.zero_grad()
+
+    # -- gradients -----------------------------------------------------------------------------------------
+    def _grad_view(self, p: nn.Parameter) -> torch.Tensor:
+        a = self._start[p]
+        return self.grad_flat[a: a + p.numel()].view(p.shape)
+
+    def zero_grad(self, micro_batches: int | None = None) -> None:
+        """Start a new step of ``micro_batches`` backward passes per model chunk.
+
+        Knowing ``micro_batches`` lets stages 0-1 reduce each bucket during the last pass (None: all at
+        :meth:`reduce_gradients`). Nothing is zeroed: each gradient buffer is overwritten by the step's first
+        gradient (and slices no gradient reached are zeroed before their reduction).
+        """
+        if micro_batches is not None and micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+        self.micro_batches = micro_batches
+        self._passes = {}
+        self._launched = [False] * len(self.buckets)
+        self._written = set()
+        self._owned_written = [False] * len(self.buckets)
+        for p in self.params:
+            p.grad = None
+
+    def start_backward(self) -> None:
+        """Reset the per-backward bookkeeping; call before each backward pass."""
+        self._remaining = [len(ps) for _, ps, _ in self.buckets]
+        self._touched = set()
+
+    def _last_pass(self, b: int) -> bool:
+        """Count this backward for bucket ``b``'s group; whether it is the group's last of the step."""
+        g = self._bucket_group[b]
+        if g not in self._touched:
+            self._touched.add(g)
+            self._passes[g] = self._passes.get(g, 0) + 1
+            if self.micro_batches is not None and self._passes[g] > self.micro_batches:
+                raise RuntimeError(
+                    f"backward pass {self._passes[g]} of a step declared with micro_batches="
+                    f"{self.micro_batches} (zero_grad): pass the number of backward passes per model chunk")
+        return self.micro_batches is not None and self._passes[g] == self.micro_batches
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if p.grad is None:
+            return
+        pieces = self._pieces[p]
+        last = self._last_pass(pieces[0][0])
+        if self.grad_flat is None:  # stage 2: into staging buffers, each reduced when its bucket is complete
+            g = p.grad.reshape(-1)
+            for b, off, base, n, j in pieces:
+                if b not in self._open:
+                    self._open[b] = self._acquire()
+                    self._filled[b] = set()
+                    layout = self.buckets[b][2]
+                    self._pool[self._open[b]][layout.numel: layout.padded_numel].zero_()
+                self._pool[self._open[b]][off: off + n].copy_(g[base: base + n])
+                self._filled[b].add(j)
+                self._remaining[b] -= 1
+                if self._remaining[b] == 0:
+                    self._launch_staged(b)
+            p.grad = None
+            return
+        if any(self._launched[b] for b, *_ in pieces):
+            raise RuntimeError("a gradient arrived for a bucket already reduced in this step: zero_grad("
+                               "micro_batches=m) must state the number of backward passes per step")
+        view = self._grad_view(p)
+        if p not in self._written:  # the step's first gradient: copied over last step's
+            view.copy_(p.grad)
+            self._written.add(p)
+        elif not self._grad_views:  # accumulate in grad_dtype (fp32)
+            view.add_(p.grad)
+        elif not device_io.same_data(p.grad, view):  # bypassed the buffer (e.g. after model.zero_grad())
+            view.copy_(p.grad)
+        p.grad = view if self._grad_views else None
+        if last:
+            for b, *_ in pieces:
+                self._remaining[b] -= 1
+                if self._remaining[b] == 0:
+                    self._launch_flat(b)
+
+    # stage 2 -------------------------------------------------------------------------------------------
+    def _acquire(self) -> int:
+        """A free staging buffer: a new one while the pool is not full, else wait for the oldest reduction,
+        else reduce the bucket opened first (every buffer holds a bucket still being filled)."""
+        if self._free:
+            return self._free.pop()
+        if len(self._pool) < min(self.max_inflight, len(self.buckets)):
+            self._pool.append(torch.empty(self._pool_numel, dtype=self.grad_dtype, device=self.param_flat.device))
+            return len(self._pool) - 1
+        if not self._inflight:
+            self._launch_staged(next(iter(self._open)))
+        self._wait_oldest()
+        return self._free.pop()
+
+    def _launch_staged(self, b: int) -> None:
+        buf = self._open.pop(b)
+        _, ps, layout = self.buckets[b]
+        staging = self._pool[buf][: layout.padded_numel]
+        filled = self._filled.pop(b)
+        if len(filled) < len(ps):  # reduced before all its gradients arrived: the missing ones count zero
+            for j, (off, n) in enumerate(zip(layout.offsets, layout.numels)):
+                if j not in filled:
+                    staging[off: off + n].zero_()
+        lo, hi = layout.shard_range(self.rank)
+        if self.reduce_scatter:
+            work = self.dp_group.reduce_scatter(staging[lo:hi], staging, tag="grad", async_op=True)
+        else:
+            work = self.dp_group.all_reduce(staging, tag="grad", async_op=True)
+        self._inflight.append((work, b, buf))
+        if not self.overlap_comm:
+            self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        work, b, buf = self._inflight.popleft()
+        work.wait()
+        lo, hi = self.buckets[b][2].shard_range(self.rank)
+        if self._owned_written[b]:
+            self.segments[b].grad.add_(self._pool[buf][lo:hi])
+        else:
+            self.segments[b].grad.copy_(self._pool[buf][lo:hi])
+            self._owned_written[b] = True
+        self._free.append(buf)
+
+    # stages 0-1 ----------------------------------------------------------------------------------------
+    def _launch_flat(self, b: int) -> None:
+        s, ps, layout = self.buckets[b]
+        for p, off, n in zip(ps, layout.offsets, layout.numels):  # no gradient this step: zeros
+            if p not in self._written:
+                self.grad_flat[s + off: s + off + n].zero_()
+        g = self.grad_flat[s: s + layout.padded_numel]
+        if self.shard_optimizer and self.reduce_scatter:
+            lo, hi = layout.shard_range(self.rank)
+            work = self.dp_group.reduce_scatter(g[lo:hi], g, tag="grad", async_op=True)
+        else:
+            work = self.dp_group.all_reduce(g, tag="grad", async_op=True)
+        self._launched[b] = True
+        if self.overlap_comm:
+            self._pending.append(work)
+        else:
+            work.wait()
+
+    def finish_backward(self) -> None:
+        """End of one backward pass. Stage 2: reduce the buckets this pass filled only partly, wait for every
+        reduction. Stages 0-1, last pass of a group: start the reductions of that group's remaining buckets."""
+        if self.grad_flat is None:
+            for b in sorted(self._open):
+                self._launch_staged(b)
+            while self._inflight:
+                self._wait_oldest()
+        elif self.micro_batches is not None:
+            last = {g for g in self._touched if self._passes[g] == self.micro_batches}
+            for b, g in enumerate(self._bucket_group):
+                if g in last and not self._launched[b]:
+                    self._launch_flat(b)
+        self.start_backward()
+
+    def reduce_gradients(self) -> None:
+        """At the accumulation boundary. Stages 0-1: reduce the buckets not reduced yet, wait for all. Stage 2:
+        zero the owned slices no gradient reached this step."""
+        if self.grad_flat is None:
+            for b, written in enumerate(self._owned_written):
+                if not written:
+                    self.segments[b].grad.zero_()
+                    self._owned_written[b] = True
+            return
+        for b in range(len(self.buckets)):
+            if self._launched[b]:
+                continue
+            for p in self.buckets[b][1] if self._grad_views else ():  # gradients that bypassed the buffer
+                view = self._grad_view(p)
+                if p.grad is not None and not device_io.same_data(p.grad, view):
+                    view.copy_(p.grad)
+                    self._written.add(p)
+                p.grad = view if p in self._written else None
+            self._launch_flat(b)
+        for work in self._pending:
+            work.wait()
+        self._pending.clear()
+
+    # -- parameters ----------------------------------------------------------------------------------------
+    def after_step(self) -> None:
+        """All-gather the updated slices into every rank's parameter buffer (sharded optimizer only)."""
+        if not self.shard_optimizer:
+            return
+        works = []
+        for s, _, layout in self.buckets:
+            full = self.param_flat[s: s + layout.padded_numel]
+            lo, hi = layout.shard_range(self.rank)
+            works.append(self.dp_group.all_gather_into(full, full[lo:hi], tag="param", async_op=True))
+        for w in works:
+            w.wait()
+
+    def consolidate(self, values: Sequence[torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
+        """Full fp32 tensors per parameter from every rank's per-segment ``values`` (a collective)."""
+        fulls = []
+        for (_, _, layout), v in zip(self.buckets, values):
+            v = v.detach().float().contiguous()
+            full = torch.empty(layout.padded_numel, dtype=torch.float32, device=v.device)
+            if self.shard_optimizer:
+                self.dp_group.all_gather_into(full, v, tag="other")
+            else:
+                full.copy_(v)
+            fulls.append(full)
+        out = {}
+        for p, pieces in self._pieces.items():
+            t = torch.empty(p.numel(), dtype=torch.float32, device=fulls[0].device if fulls else None)
+            for b, off, base, n, _ in pieces:
+                t[base: base + n].copy_(fulls[b][off: off + n])
+            out[p] = t.view(p.shape)
+        return out
+
+    def padded_numel(self) -> dict[str, int]:
+        """Elements laid out: ``whole`` (parameters kept whole, all buckets with padding) and ``gathered`` (0)."""
+        return {"whole": self.numel, "gathered": 0}
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The buffers this store holds right now, by category: ``params``, ``grads`` (the accumulated or
+        owned gradient) and ``comm`` (stage 2's staging pool: communication buffers, allocated once)."""
+        grads = [self.grad_flat if self.grad_flat is not None else self.owned_grad]
+        return {"params": [self.param_flat], "grads": grads, "comm": list(self._pool)}

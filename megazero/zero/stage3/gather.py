@@ -1,0 +1,218 @@
+"""When ZeRO stage 3 gathers and releases its units: traced order, prefetch, reuse, the live budget, order check.
+
+A *pass* is one chunk's forward (its forward pre-hook to its forward hook) or one backward (from
+``start_backward`` to ``finish_backward``, recomputations included). The first pass of each kind records the
+order in which it uses the units; later passes of the same kind (keyed by the chunk for a forward, by the
+first unit used for a backward) follow that *trace* and gather the next unit one step ahead of its use
+(``stage3_prefetch_bucket_size`` > 0, and only within ``stage3_max_live_parameters``).
+
+**Order check.** While a pass is being traced, every gather is preceded by an all-gather of a small
+fingerprint (pass kind, gather number, unit id) over the DP group, as a device tensor; if the ranks disagree,
+every rank raises :class:`GatherOrderError` naming the modules instead of exchanging mismatched buffers. A
+pass that follows its trace needs no check: every rank traced the same order under the check. On a deviation
+from the trace, checking resumes (and the pass is traced afresh). So once the traced orders are agreed the
+check costs no collective and no host synchronisation.
+
+**Live budget.** ``stage3_max_live_parameters`` bounds the elements of every gathered unit at once (each
+all-gather writes straight into the unit's full buffer, so these are the receive buffers too): a prefetch that
+would exceed it is skipped, and units kept for reuse are released first when a needed unit would exceed it.
+
+**Reuse.** A unit whose forward runs inside a backward (a recomputation under full activation checkpointing)
+is used again by its own backward right after. It stays gathered until then unless more than
+``stage3_max_reuse_distance`` elements of other units are gathered in between (0: release at once, and gather
+it again for its backward).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megazero.distributed import device_io
+from megazero.distributed.group import Group
+from megazero.zero.stage3.units import Unit
+
+__all__ = ["FWD", "BWD", "HOLD", "GatherOrderError", "GatherScheduler"]
+
+FWD, BWD, HOLD = 0, 1, 2
+_PHASES = ("forward", "backward", "gathered_parameters()")
+
+
+class GatherOrderError(RuntimeError):
+    """Data-parallel ranks tried to gather different ZeRO-3 parameters at the same point."""
+
+
+class _Holding:
+    """A collective's work handle that keeps its input alive until the handle is dropped (after ``wait``), as
+    NCCL keeps an asynchronous collective's input; gloo's all-gather road copies it at once and lets it go."""
+
+    def __init__(self, work: object, tensor: torch.Tensor) -> None:
+        self.work, self.tensor = work, tensor
+
+    def wait(self) -> None:
+        self.work.wait()
+
+
+class GatherScheduler:
+    """Gathers and releases :class:`Unit` buffers over ``dp_group`` (see the module docstring)."""
+
+    def __init__(self, units: list[Unit], dp_group: Group, device: torch.device, placeholder: torch.Tensor, *,
+                 prefetch_numel: int, max_live: int, reuse_distance: int) -> None:
+        self.units, self.dp_group, self.device, self.placeholder = units, dp_group, device, placeholder
+        self.prefetch_numel, self.max_live, self.reuse_distance = prefetch_numel, max_live, reuse_distance
+        self.live = 0  # elements gathered (or being gathered) right now
+        self.gathered: dict[int, Unit] = {}  # uid -> unit, gathered (or being gathered) right now
+        self.kept: dict[int, Unit] = {}  # uid -> unit, of them kept for reuse (``Unit.kept`` is not None)
+        self.peak_live = 0
+        self.hold = 0  # gathered_parameters() depth: nothing is released while > 0
+        self.traces: dict[tuple[int, int], list[int]] = {}
+        self.phase = FWD
+        self.key: tuple[int, int] | None = None
+        self.recorded: list[int] = []
+        self.follow: list[int] | None = None
+        self.cursor = 0
+        self.seq = 0  # gathers in this pass (the check's sequence number)
+
+    # -- passes ----------------------------------------------------------------------------------------------
+    def begin(self, phase: int, chunk: int | None = None) -> None:
+        """Start a pass; a backward's key is set by its first use."""
+        self.phase, self.seq, self.recorded, self.cursor = phase, 0, [], 0
+        self.key = (phase, chunk) if chunk is not None else None
+        self.follow = self.traces.get(self.key) if self.key is not None else None
+
+    def end(self) -> None:
+        """End the pass: its order becomes the trace to follow (and to stop checking against) next time."""
+        if self.key is not None and self.recorded and self.traces.get(self.key) != self.recorded:
+            self.traces[self.key] = self.recorded
+        self.key, self.follow, self.recorded = None, None, []
+
+    # -- use, prefetch, release ------------------------------------------------------------------------------
+    def use(self, unit: Unit) -> None:
+        """Make ``unit`` available now, gathering the next unit of the trace one step ahead."""
+        if self.hold:
+            return
+        if self.key is None:  # a backward is keyed by its first unit
+            self.key = (self.phase, unit.uid)
+            self.follow = self.traces.get(self.key)
+        self.recorded.append(unit.uid)
+        unit.kept = None
+        self.kept.pop(unit.uid, None)
+        if self.follow is not None:
+            if self.cursor < len(self.follow) and self.follow[self.cursor] == unit.uid:
+                self.cursor += 1
+            else:  # the order changed: check every gather again until this pass is traced afresh
+                self.follow = None
+        if not unit.gathered:
+            self._make_room(unit.numel)
+            self.fetch(unit)
+        nxt = self._next(unit)
+        if nxt is not None:
+            self.fetch(nxt)
+        if unit.work is not None:
+            unit.work.wait()
+            unit.work = None
+
+    def _next(self, current: Unit) -> Unit | None:
+        """The unit the trace uses next (one unit ahead), if it should be prefetched now."""
+        if self.follow is None or self.prefetch_numel <= 0:
+            return None
+        for uid in self.follow[self.cursor:]:
+            if uid == current.uid:
+                continue
+            u = self.units[uid]
+            if u.gathered or u.numel > self.prefetch_numel or self.live + u.numel > self.max_live:
+                return None
+            return u
+        return None
+
+    def _make_room(self, numel: int) -> None:
+        """Release units kept for reuse while a needed gather would exceed the live budget."""
+        for u in list(self.kept.values()):
+            if self.live + numel <= self.max_live:
+                return
+            self.release(u)
+
+    def fetch(self, unit: Unit) -> None:
+        """Start the all-gather of ``unit`` into its full buffer (checked while tracing)."""
+        if self.follow is None:
+            self.check(unit)
+        self.seq += 1
+        for u in list(self.kept.values()):  # units kept for reuse age by what is gathered after them
+            u.kept += unit.numel
+            if u.kept > self.reuse_distance:
+                self.release(u)
+        unit.full.untyped_storage().resize_(unit.full_bytes)
+        for p, view in zip(unit.params, unit.views):
+            p.data = view
+        unit.gathered = True
+        self.gathered[unit.uid] = unit
+        self.live += unit.numel
+        self.peak_live = max(self.peak_live, self.live)
+        shard = device_io.to_device(unit.shard, self.device)  # from host memory with offload_param
+        # the device copy of an offloaded shard lives until the gather is waited on, as under NCCL
+        unit.work = _Holding(self.dp_group.all_gather_into(unit.full, shard, tag="param", async_op=True), shard)
+
+    def done_with(self, unit: Unit, reused: bool) -> None:
+        """A forward of ``unit`` finished: keep it for its imminent ``reused`` backward, or release it."""
+        if reused and self.reuse_distance > 0:
+            unit.kept = 0
+            self.kept[unit.uid] = unit
+        else:
+            self.release(unit)
+
+    def release(self, unit: Unit) -> None:
+        """Free ``unit``'s full buffer (not while ``gathered_parameters()`` holds everything)."""
+        if self.hold or not unit.gathered:
+            return
+        if unit.work is not None:
+            unit.work.wait()
+            unit.work = None
+        unit.full.untyped_storage().resize_(0)
+        for p in unit.params:
+            p.data = self.placeholder.expand(p.shape)
+        unit.gathered, unit.kept = False, None
+        del self.gathered[unit.uid]
+        self.kept.pop(unit.uid, None)
+        self.live -= unit.numel
+
+    def gather_all(self) -> None:
+        """Gather every unit and hold them (nested calls count); pair with :meth:`release_all`."""
+        if self.hold == 0:
+            saved = self.phase, self.seq, self.follow
+            self.phase, self.seq, self.follow = HOLD, 0, None
+            for u in self.units:
+                if not u.gathered:
+                    self.fetch(u)
+            for u in self.units:
+                if u.work is not None:
+                    u.work.wait()
+                    u.work = None
+            self.phase, self.seq, self.follow = saved
+        self.hold += 1
+
+    def release_all(self) -> None:
+        """Undo one :meth:`gather_all`; the outermost releases every unit."""
+        self.hold = max(0, self.hold - 1)
+        if self.hold == 0:
+            for u in self.units:
+                self.release(u)
+
+    # -- the order check -------------------------------------------------------------------------------------
+    def check(self, unit: Unit) -> None:
+        """All-gather (phase, gather number, unit id) over DP; raise on every rank if they differ."""
+        group = self.dp_group
+        if group.size == 1:
+            return
+        mine = torch.tensor([self.phase, self.seq, unit.uid], dtype=torch.int64, device=self.device)
+        every = torch.empty(group.size * 3, dtype=torch.int64, device=self.device)
+        group.all_gather_into(every, mine, tag="check")
+        every = every.view(group.size, 3)
+        if device_io.read((every == mine).all())[0]:
+            return
+        lines = []
+        values = [int(v) for v in device_io.read(every)]
+        for r, (ph, seq, uid) in enumerate(zip(values[::3], values[1::3], values[2::3])):
+            name = self.units[uid].name if 0 <= uid < len(self.units) else f"unit #{uid}"
+            lines.append(f"rank {r}: {_PHASES[ph] if 0 <= ph < 3 else ph} gather #{seq} of {name}")
+        raise GatherOrderError(
+            "ZeRO-3: data-parallel ranks disagree on which parameters to gather next (" + "; ".join(lines)
+            + "). Every DP rank must run the model's submodules in the same order (same control flow).")

@@ -1,0 +1,440 @@
+"""ZeRO stage 3: parameters live only as shards, gathered one transformer block at a time.
+
+The units of gathering (:mod:`.stage3_units`) are each model chunk's transformer blocks plus the chunk's own
+parameters (embeddings, final LayerNorm, tied LM head). Each rank keeps only its slice of every unit; the
+parameters are views into a full-size buffer whose storage is freed (resized to 0) while the unit is released,
+so tensors autograd saved alias that storage and see the values again once it is re-gathered. While released,
+a parameter's ``.data`` is a shared one-element NaN placeholder expanded to its shape (right
+``shape``/``numel()``; a stray read sees NaN, not freed memory). Read real values inside
+``ZeroOptimizer.gathered_parameters()`` (which holds through forwards run inside it) or from the optimizer's
+fp32 master copy.
+
+* **Forward**: a block's forward pre-hook gathers it (and prefetches the next unit of the traced order), its
+  forward hook releases it; a chunk's own parameters stay gathered for the chunk's forward.
+* **Backward**: the forward hook threads each output through an identity autograd function whose backward
+  gathers the unit again before its backward runs. Hooks on the parameters' gradient accumulation copy the
+  gradients into the unit's staging buffer; once all have arrived the unit is released and its staging buffer
+  reduce-scattered to the owners at once (asynchronously with ``overlap_comm``, at most
+  ``max_inflight_buckets`` reductions in flight, default 2; staging buffers are reused from a pool).
+  The tied embedding's gradient arrives once, after both uses.
+* **Gradient precision**: the reduction and the owned gradient are in ``grad_dtype`` (the optimizer's
+  ``--grad-dtype``: fp32 when training in bf16 by default, the model dtype otherwise). Local gradients arrive
+  in the model dtype and are staged in it (exactly); where ``grad_dtype`` is wider, a unit is converted and
+  reduce-scattered in column chunks no larger than its staging buffer (two for bf16 -> fp32), so a block's
+  staging costs the model dtype's bytes, not fp32's.
+* **Full activation checkpointing**: a block recomputed inside backward stays gathered for its backward right
+  after (``stage3_max_reuse_distance``), so it is gathered twice per micro-batch, not three times.
+* **Ordering, prefetch, live budget, order check**: :mod:`.stage3_gather`.
+* **Offload** (``offload_param``): the shards live in host memory (pinned when a GPU is present) and are
+  copied to the device just before their all-gather; the optimizer writes updated values into the host shard.
+* **Persistence**: parameters of at most ``stage3_param_persistence_threshold`` elements (DeepSpeed's rule)
+  stay whole on every rank, handled like stage 2 by one :class:`~megazero.zero.bucketed.BucketedParams` per
+  model chunk.
+* **Sharded initialisation**: a model built on the meta device is materialised one unit at a time by
+  ``param_init`` (the full local value of one parameter): a unit's parameters are initialised in full, this
+  rank's slice kept, and the full values freed before the next unit.
+* **Several chunks per rank** (the interleaved pipeline schedule): every chunk has its own hooks and passes;
+  a backward reduces the units of the chunks it ran through only.
+
+DP volume per optimizer step with m micro-batches: 3mΨ_g for gathered parameters (forward gather, backward
+gather, gradient reduce-scatter in every micro-batch), full activation checkpointing included, plus
+(m + 1)Ψ_p for persistent ones. With ``stage3_max_reuse_distance`` 0 and full checkpointing each block is
+gathered once more, for its recomputation: 4mΨ for the blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from megazero.config.schema import ZeroConfig
+from megazero.distributed import device_io
+from megazero.distributed.group import Group
+from megazero.zero.bucketed import BucketedParams, FlatLayout, OwnedSegment, set_data
+from megazero.zero.stage3.gather import BWD, FWD, GatherOrderError, GatherScheduler
+from megazero.zero.stage3.units import PreBackward, Unit, collect_units, model_chunks, saves_storage
+
+__all__ = ["GatherOrderError", "Stage3Params"]
+
+ParamInit = Callable[[nn.Parameter], torch.Tensor]  # a parameter's full (local-shape) fp32 initial value
+
+
+class Stage3Params:
+    """Sharded parameters with gather/release hooks on ``model`` (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, dp_group: Group, cfg: ZeroConfig, *,
+                 align: int = 16, isolate: Sequence[nn.Parameter] = (), offload_param: bool = False,
+                 param_init: ParamInit | None = None, device: torch.device | None = None,
+                 grad_dtype: torch.dtype | None = None) -> None:
+        self.model, self.dtype, self.dp_group, self.rank, self.cfg = model, dtype, dp_group, dp_group.rank, cfg
+        self.overlap_comm, self.reduce_scatter = cfg.overlap_comm, cfg.reduce_scatter
+        self.grad_dtype = grad_dtype or dtype  # the optimizer's --grad-dtype (fp32 in bf16 by default)
+        narrow = dtype.itemsize < self.grad_dtype.itemsize
+        self.stage_dtype = dtype if narrow else self.grad_dtype  # local gradients are staged exactly
+        self.reduce_chunks = self.grad_dtype.itemsize // dtype.itemsize if narrow else 1
+        self.max_inflight = cfg.max_inflight_buckets
+        self.device = device or next(p.device for p in model.parameters())
+        if self.device.type == "meta" and param_init is None:  # the dry run gives both on meta
+            raise ValueError("a model built on the meta device needs the ZeRO-3 store's device and param_init")
+        self.chunks = [c for _, c in model_chunks(model)]
+        threshold = cfg.stage3_param_persistence_threshold
+        specs = collect_units(model, isolate)
+        self.persistent: list[BucketedParams] = []
+        self.segments: list[OwnedSegment] = []
+        for c in range(len(self.chunks)):
+            ps = [p for s in specs if s.chunk == c for p in s.params if p.numel() <= threshold]
+            for p in ps:
+                if p.is_meta:  # persistent parameters are held whole anyway: materialise them in full
+                    set_data(p, param_init(p).to(self.device))
+            store = BucketedParams(
+                ps, dtype, dp_group, shard_optimizer=True, shard_gradients=True,
+                bucket_numel=min(cfg.reduce_bucket_size, cfg.allgather_bucket_size), align=align,
+                overlap_comm=cfg.overlap_comm, reduce_scatter=cfg.reduce_scatter, isolate=isolate,
+                grad_dtype=self.grad_dtype, max_inflight=self.max_inflight, param_init=param_init,
+                device=self.device) if ps else None
+            self.persistent.append(store)
+            self.segments += store.segments if store is not None else []
+        for s in specs:
+            s.params = [p for p in s.params if p.numel() > threshold]
+        specs = [s for s in specs if s.params]
+        layouts = [FlatLayout([p.numel() for p in s.params], dp_group.size, align) for s in specs]
+        total = sum(lay.shard_numel for lay in layouts)
+        self.offload_param = offload_param
+        self.shard_flat = (device_io.empty(total, dtype, pin=torch.cuda.is_available()) if offload_param
+                           else torch.empty(total, dtype=dtype, device=self.device))
+        self._placeholder = torch.full((1,), float("nan"), dtype=dtype, device=self.device)
+        self.units: list[Unit] = []
+        off = 0
+        for spec, layout in zip(specs, layouts):
+            n = layout.shard_numel
+            full = torch.empty(layout.padded_numel, dtype=dtype, device=self.device)
+            grad = torch.empty(n, dtype=self.grad_dtype, device=self.device)
+            unit = Unit(len(self.units), spec, layout, self.shard_flat[off: off + n], grad, full)
+            off += n
+            full.untyped_storage().resize_(0)  # released from the start: gathered when first used
+            grad.untyped_storage().resize_(0)  # allocated by the unit's first reduction of a step
+            self.segments.append(self._shard_unit(unit, param_init))
+            self.units.append(unit)
+            for p in unit.params:
+                p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, unit))
+        self.sched = GatherScheduler(
+            self.units, dp_group, self.device, self._placeholder, prefetch_numel=cfg.stage3_prefetch_bucket_size,
+            max_live=cfg.stage3_max_live_parameters,
+            reuse_distance=cfg.stage3_max_reuse_distance)
+        self._install_hooks()
+        self._in_backward = False
+        self._touched: set[int] = set()  # chunks this backward ran through
+        self._probed = False  # this forward pass looked at what its part before the first block saved
+        self._roots_free: dict[int, bool] = {}  # chunk -> its own units are not needed by the blocks' backward
+        self._saved_names: dict[type, list[str]] = {}  # autograd node type -> its saved-value attributes
+        self._inflight: list[tuple] = []  # (work, unit, buffer, this rank's part, start, first, to recycle)
+        self._pool: dict[int, list[torch.Tensor]] = {}  # idle staging buffers by size
+        self.peak_grad_numel = 0  # most staging elements held at once (filling, in flight or pooled)
+
+    def _shard_unit(self, unit: Unit, param_init: ParamInit | None) -> OwnedSegment:
+        """Fill this rank's shard of ``unit`` from its full fp32 values (built here one unit at a time when
+        the model is on the meta device), release the unit, and return its owned segment."""
+        layout, ps = unit.layout, unit.params
+        lo, hi = layout.shard_range(self.rank)
+        flat32 = torch.zeros(layout.padded_numel, dtype=torch.float32, device=self.device)
+        for p, o, n in zip(ps, layout.offsets, layout.numels):
+            value = param_init(p) if p.is_meta else p.detach()
+            flat32[o: o + n].copy_(value.reshape(-1))
+            del value
+            set_data(p, self._placeholder.expand(p.shape))  # frees the parameter's own (full) storage
+        unit.shard.copy_(flat32[lo:hi])
+        init = flat32[lo:hi].clone() if self.dtype != torch.float32 else None
+        del flat32
+        pieces = [(ps[pc.index], pc.offset, pc.offset + pc.numel) for pc in layout.pieces(lo, hi)]
+        return OwnedSegment(unit.shard, unit.grad, pieces, init)
+
+    # -- hooks ---------------------------------------------------------------------------------------------
+    def _install_hooks(self) -> None:
+        roots: dict[int, list[Unit]] = {c: [] for c in range(len(self.chunks))}
+        for unit in self.units:
+            if unit.is_root:
+                roots[unit.chunk].append(unit)
+                continue
+            unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit))
+            unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
+        self._roots = roots
+        for c, chunk in enumerate(self.chunks):
+            chunk.register_forward_pre_hook(functools.partial(self._chunk_pre_forward, c, roots[c]))
+            chunk.register_forward_hook(functools.partial(self._chunk_post_forward, c, roots[c]))
+
+    def _attach(self, out, callback):
+        """Route ``out`` through :class:`PreBackward` so that backward calls ``callback`` first."""
+        if isinstance(out, torch.Tensor):
+            return PreBackward.apply(callback, out) if out.requires_grad else out
+        if isinstance(out, (tuple, list)):
+            return type(out)(self._attach(o, callback) for o in out)
+        return out
+
+    def _chunk_pre_forward(self, c: int, roots: list[Unit], module, args) -> None:
+        if self.sched.hold:
+            return
+        self._probed = False
+        self.sched.begin(FWD, c)
+        for u in roots:
+            self.sched.use(u)
+
+    def _chunk_post_forward(self, c: int, roots: list[Unit], module, args, out):
+        if self.sched.hold:
+            return out
+        if torch.is_grad_enabled():
+            out = self._attach(out, functools.partial(self._chunk_pre_backward, c, roots))
+        for u in list(self.sched.gathered.values()):  # the chunk's own units and any unused prefetch
+            self.sched.release(u)
+        self.sched.end()
+        return out
+
+    def _chunk_pre_backward(self, c: int, roots: list[Unit]) -> None:
+        self._touched.add(c)
+        for u in roots:
+            self.sched.use(u)
+
+    def _pre_forward(self, unit: Unit, module, args) -> None:
+        if self.sched.phase == FWD and not self.sched.hold and not self._probed:  # the chunk's first block
+            self._probed = True
+            roots = self._roots[unit.chunk]
+            keys = {u.full.untyped_storage()._cdata for u in roots}
+            free = bool(roots) and not saves_storage(args, keys, self._saved_names)
+            self._roots_free[unit.chunk] = free and self._roots_free.get(unit.chunk, True)
+        self._use_block(unit)
+
+    def _use_block(self, unit: Unit) -> None:
+        """Gather a block for its forward or backward; once backward reaches the blocks, release the chunk's
+        own units if its forward saved none of them before its first block (module docstring)."""
+        if self.sched.phase == BWD and self._roots_free.get(unit.chunk):
+            for u in self._roots[unit.chunk]:
+                self.sched.release(u)
+        self.sched.use(unit)
+
+    def _post_forward(self, unit: Unit, module, args, out):
+        if self.sched.hold:
+            return out
+        grad = torch.is_grad_enabled()
+        if grad:
+            out = self._attach(out, functools.partial(self._use_block, unit))
+        self.sched.done_with(unit, reused=grad and self._in_backward)  # a recomputation: its backward is next
+        return out
+
+    # -- gradients -----------------------------------------------------------------------------------------
+    def _staging(self, unit: Unit) -> torch.Tensor:
+        pool = self._pool.get(unit.numel)
+        buf = pool.pop() if pool else torch.empty(unit.numel, dtype=self.stage_dtype, device=self.device)
+        used = sum(t.numel() for t in self._held_staging())
+        self.peak_grad_numel = max(self.peak_grad_numel, used + unit.numel)
+        return buf
+
+    def _on_grad(self, unit: Unit, p: nn.Parameter) -> None:
+        if p.grad is None:
+            return
+        i = unit.index[p]
+        self._touched.add(unit.chunk)
+        if unit.is_root:  # gradients straggle over the whole backward: keep them as .grad until the last
+            if not unit.arrived[i]:
+                unit.arrived[i] = True
+                unit.remaining -= 1
+        else:
+            if unit.staging is None:
+                unit.staging = self._staging(unit)
+            o, n = unit.layout.offsets[i], unit.layout.numels[i]
+            if unit.arrived[i]:  # a second gradient in one backward (a parameter used after its first backward)
+                unit.staging[o: o + n].add_(p.grad.reshape(-1))
+            else:  # the usual case: copy, so the staging buffer needs no zeroing
+                unit.staging[o: o + n].copy_(p.grad.reshape(-1))
+                unit.arrived[i] = True
+                unit.remaining -= 1
+            p.grad = None
+        if unit.remaining == 0 and not unit.reduced:
+            self._reduce(unit)
+
+    def _reduce(self, unit: Unit) -> None:
+        """``unit``'s backward is done: release it and reduce-scatter its gradients (bounded in flight)."""
+        unit.reduced = True
+        self.sched.release(unit)
+        g = unit.params[0].grad if unit.is_root and len(unit.params) == 1 and unit.arrived[0] else None
+        direct = (g is not None and g.dtype == self.stage_dtype and g.numel() == unit.numel
+                  and g.is_contiguous())  # one parameter, no padding: its own .grad is the reduction's input
+        if direct:
+            unit.staging, unit.params[0].grad = g.view(-1), None
+        elif unit.staging is None:
+            unit.staging = self._staging(unit)
+            if not unit.is_root:
+                unit.staging.zero_()
+        if not direct and (unit.is_root or any(unit.arrived)):  # padding, parameters without a gradient: zeros
+            for i, (p, o, n) in enumerate(zip(unit.params, unit.layout.offsets, unit.layout.numels)):
+                if not unit.arrived[i]:
+                    unit.staging[o: o + n].zero_()
+                elif unit.is_root:  # the gradients kept as .grad (root units)
+                    if p.grad is None:
+                        unit.staging[o: o + n].zero_()
+                    else:
+                        unit.staging[o: o + n].copy_(p.grad.reshape(-1))
+                        p.grad = None
+            unit.staging[unit.layout.numel:].zero_()
+        flat, unit.staging = unit.staging, None
+        first = not unit.grad_live  # the step's first reduction of this unit allocates its owned gradient
+        if first:
+            self._materialise(unit)
+        s, size = unit.layout.shard_numel, self.dp_group.size
+        if flat.dtype == self.grad_dtype:
+            self._issue(unit, flat, 0, s, first, pool=flat)
+            return
+        step = -(-s // self.reduce_chunks)
+        for a in range(0, s, step):  # [a, b) of every rank's slice, converted to grad_dtype
+            b = min(a + step, s)
+            chunk = torch.empty((size, b - a), dtype=self.grad_dtype, device=flat.device)
+            chunk.copy_(flat.view(size, s)[:, a:b])
+            self._issue(unit, chunk.view(-1), a, b, first, pool=None)
+            del chunk  # freed when its reduction completes (see _complete_oldest)
+        self._recycle(flat)
+
+    def _issue(self, unit: Unit, flat: torch.Tensor, a: int, b: int, first: bool, pool) -> None:
+        """Reduce ``flat`` (every rank's [a, b) of ``unit``, rank-major) into this rank's owned [a, b)."""
+        n = b - a
+        mine = flat[self.rank * n: (self.rank + 1) * n]
+        if self.reduce_scatter:
+            work = self.dp_group.reduce_scatter(mine, flat, tag="grad", async_op=True)
+        else:
+            work = self.dp_group.all_reduce(flat, tag="grad", async_op=True)
+        self._inflight.append((work, unit, flat, mine, a, first, pool))
+        limit = self.max_inflight if self.overlap_comm else 0
+        while len(self._inflight) > limit:
+            self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        work, unit, buf, mine, a, first, pool = self._inflight.pop(0)
+        work.wait()
+        dest = unit.grad[a: a + mine.numel()]
+        if first:
+            dest.copy_(mine)
+        else:  # a later micro-batch: accumulate
+            dest.add_(mine)
+        if pool is not None:
+            self._recycle(pool)
+        else:  # a converted chunk: free it now (gloo's worker may keep a reference to the tensor a while)
+            buf.untyped_storage().resize_(0)
+
+    def _recycle(self, flat: torch.Tensor) -> None:
+        """Keep a staging buffer for reuse only while a gathered unit of its size has gradients to come."""
+        if any(not u.reduced and u.numel == flat.numel() for u in self.sched.gathered.values()):
+            self._pool.setdefault(flat.numel(), []).append(flat)
+
+    def _materialise(self, unit: Unit) -> torch.Tensor:
+        unit.grad.untyped_storage().resize_(unit.grad.numel() * unit.grad.element_size())
+        unit.grad_live = True
+        return unit.grad
+
+    def _held_staging(self) -> list[torch.Tensor]:
+        return ([u.staging for u in self.units if u.staging is not None] + [e[2] for e in self._inflight]
+                + [t for ts in self._pool.values() for t in ts])
+
+    # -- the store interface the optimizer drives ----------------------------------------------------------
+    def zero_grad(self) -> None:
+        """Free the owned gradient partition: each unit's part is allocated by its first reduction of the next
+        step (so a step's first backward holds only the parts reduced so far, like FSDP's sharded ``.grad``)."""
+        for unit in self.units:
+            unit.grad.untyped_storage().resize_(0)
+            unit.grad_live = False
+        for store in self.persistent:
+            if store is not None:
+                store.zero_grad()
+        for unit in self.units:
+            for p in unit.params:
+                p.grad = None
+
+    def start_backward(self) -> None:
+        """Reset per-backward bookkeeping; called before each backward (one micro-batch of one chunk)."""
+        for unit in self.units:
+            unit.reset_backward()
+        self._touched = set()
+        self._in_backward = True
+        self.sched.begin(BWD)
+        for store in self.persistent:
+            if store is not None:
+                store.start_backward()
+
+    def finish_backward(self) -> None:
+        """Reduce the units of the chunks this backward ran through whose gradients did not all arrive, wait
+        for every reduction, release everything."""
+        for unit in self.units:
+            if unit.chunk in self._touched and not unit.reduced:
+                self._reduce(unit)
+        while self._inflight:
+            self._complete_oldest()
+        for unit in list(self.sched.gathered.values()):
+            self.sched.release(unit)
+        for u in self.units:
+            u.staging = None
+        self.sched.end()
+        self._in_backward = False
+        for c, store in enumerate(self.persistent):
+            if store is not None and c in self._touched:
+                store.finish_backward()
+        self._pool.clear()
+
+    def reduce_gradients(self) -> None:
+        """Nothing left to reduce at the boundary (stage 3 reduces during every backward); owned gradients of
+        units no backward reached this step become zeros."""
+        for unit in self.units:
+            if not unit.grad_live:
+                self._materialise(unit).zero_()
+
+    def after_step(self) -> None:
+        """Gathered parameters need nothing (the next forward gathers them); persistent ones are all-gathered."""
+        for store in self.persistent:
+            if store is not None:
+                store.after_step()
+
+    def gather_all(self) -> None:
+        """Gather every unit (a collective over the DP group) and hold them; pair with :meth:`release_all`."""
+        self.sched.gather_all()
+
+    def release_all(self) -> None:
+        """Release every gathered unit (the outermost of nested :meth:`gather_all` calls)."""
+        self.sched.release_all()
+
+    def layouts(self) -> list[tuple[list[nn.Parameter], FlatLayout, int]]:
+        """``(parameters, layout, rank)`` of each owned segment, in the order of :attr:`segments`."""
+        out = [(ps, lay, s.rank) for s in self.persistent if s is not None for _, ps, lay in s.buckets]
+        return out + [(u.params, u.layout, self.rank) for u in self.units]
+
+    def consolidate(self, values: Sequence[torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
+        """Full fp32 tensors per parameter from every rank's per-segment ``values`` (a collective)."""
+        out: dict[nn.Parameter, torch.Tensor] = {}
+        k = 0
+        for store in self.persistent:
+            if store is not None:
+                out.update(store.consolidate(values[k: k + len(store.segments)]))
+                k += len(store.segments)
+        for unit, v in zip(self.units, values[k:]):
+            full = torch.empty(unit.layout.padded_numel, dtype=torch.float32, device=v.device)
+            self.dp_group.all_gather_into(full, v.detach().float().contiguous(), tag="other")
+            shapes = [p.shape for p in unit.params]
+            out.update(zip(unit.params, (t.clone() for t in unit.layout.views(full, shapes))))
+        return out
+
+    def padded_numel(self) -> dict[str, int]:
+        """Elements laid out (with padding): ``whole`` (persistent parameters), ``gathered`` (sharded units)."""
+        return {"whole": sum(s.numel for s in self.persistent if s is not None),
+                "gathered": sum(u.numel for u in self.units)}
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The buffers this store holds right now, by model-state category (released units hold 0 bytes)."""
+        params = [self.shard_flat] + [u.full for u in self.units]
+        grads = [u.grad for u in self.units] + self._held_staging()
+        comm: list[torch.Tensor] = []  # the persistent parameters' staging pools
+        for store in self.persistent:
+            if store is not None:
+                held = store.held_tensors()
+                params += held["params"]
+                grads += held["grads"]
+                comm += held.get("comm", [])
+        # what of the above lives in host memory (``offload_param``)
+        return {"params": params, "grads": grads, "comm": comm,
+                "offloaded_params": [self.shard_flat] if self.offload_param else []}
