@@ -188,6 +188,21 @@ class ParallelContext:
         return self.grid.world_size
 
     @property
+    def tp_enabled(self) -> bool:
+        """Whether layers are split over a TP group (tp > 1)."""
+        return self.grid.tp_size > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        """Whether the layers are split over pipeline stages (pp > 1)."""
+        return self.grid.pp_size > 1
+
+    @property
+    def dp_enabled(self) -> bool:
+        """Whether gradients are reduced over a DP group (dp > 1)."""
+        return self.grid.dp_size > 1
+
+    @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
 

@@ -1,41 +1,33 @@
-"""One training step: the recipe that composes the model, the ZeRO optimizer and the pipeline schedule.
+"""The engine: one training step of this rank, and the evaluation and state reads around it.
 
-The recipe, in order:
-
-1. build this rank's model chunks: its TP shard of its pipeline stage (of each virtual stage it runs);
-2. initialise them from the seed by unsharded parameter name, so every topology starts from the same weights;
-3. wrap them in the ZeRO optimizer over the DP group;
-4. each step, run the pipeline schedule over the micro-batches (with one stage: forward/backward per
-   micro-batch) and let the optimizer reduce over DP, sum the tied embedding's gradient over its two copies
-   (first and last stage, partitioned alike at every ZeRO stage), clip and update.
+Construction is the recipe (:mod:`megazero.train.recipe`): split for PP, build the TP shards on meta,
+materialise inside the ZeRO wrapper, compile. A step runs the pipeline schedule over this rank's micro-batches
+(with one stage: forward and backward per micro-batch), lets the optimizer reduce over DP (and sum the tied
+embedding's two copies), then clips and updates.
 
 The loss of a step is the token-weighted mean over the whole global batch (all micro-batches, all DP ranks):
 each micro-batch contributes ``sum(per-token loss) / tokens_in_global_batch`` to the gradient, so the summed
 gradient over DP ranks equals the single-process gradient of the mean. It is computed on the last stage and
-broadcast along the pipeline, so every rank reports the same number.
+broadcast along the pipeline, so every rank reports the same number. A step reads from the device once: the
+loss, the squared gradient norm and the token count together.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from megazero.config.schema import Config
 from megazero.distributed import device_io
 from megazero.distributed.context import ParallelContext
-from megazero.model.gpt import GPT, full_state_dict, parameter_initializer
+from megazero.model.gpt import full_state_dict
 from megazero.pipeline.executor import PipelineExecutor
-from megazero.pipeline.p2p import PipelineP2P
-from megazero.pipeline.partition import stage_specs
 from megazero.pipeline.schedules import build_schedule, transfer_units
 from megazero.tensor_parallel import IGNORE_INDEX
 from megazero.tensor_parallel.layers import VOCAB_PAD_MULTIPLE, pad_size
-from megazero.tensor_parallel.random import RNGTracker
+from megazero.train import recipe
 from megazero.train.lr_schedule import lr_at
-from megazero.zero.optimizer import PRECISION_DTYPES, ZeroOptimizer, grad_norm_weights
 
 __all__ = ["Engine", "StepResult"]
 
@@ -62,49 +54,12 @@ class Engine:
         self.cfg = cfg
         self.ctx = ctx
         self.device = device or torch.device("cpu")
-        p, m = cfg.parallel, cfg.model
-        self.schedule = p.pp_schedule if ctx.pp_size > 1 else "1f1b"
-        self.virtual_stages = p.virtual_stages if self.schedule == "interleaved" else 1
-        self.specs = stage_specs(m.num_layers, ctx.pp_size, ctx.pp_rank, self.virtual_stages, p.pp_layout)
-        self.rng_tracker = RNGTracker(cfg.training.seed, ctx.tp_rank, self.device)
-        # the chunks are built without storage (meta device); the optimizer materialises them into its buffers
-        # one parameter at a time (stages 0-2) or one gather unit at a time, sharded (stage 3): no rank holds a
-        # second full copy of its replica, and at stage 3 not even one
-        with torch.device("meta"):
-            self.chunks = [
-                GPT(m, ctx.tp_group, layers=s.layers, pre_process=s.pre_process, post_process=s.post_process,
-                    sequence_parallel=p.sequence_parallel, rng_tracker=self.rng_tracker,
-                    activation_checkpointing=cfg.activation_checkpointing)
-                for s in self.specs
-            ]
-        param_init = parameter_initializer(self.chunks, cfg.training.seed, ctx.tp_group, self.device)
-        # the tied embedding's second copy (last stage, pp > 1): summed with the first, counted once in the norm
-        self.tied = [c.wte.weight for c in self.chunks if hasattr(c, "wte")] if ctx.pp_size > 1 else []
-        self.model = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
-        norm_counted = grad_norm_weights(self.model, ctx.tp_rank)
-        for chunk in self.chunks:
-            if chunk.post_process and not chunk.pre_process and ctx.pp_size > 1:
-                norm_counted[chunk.wte.weight] = False
-        self.optimizer = ZeroOptimizer(
-            self.model, cfg.zero, cfg.optimizer, dp_group=ctx.dp_group, norm_group=ctx.mp_group,
-            norm_counted=norm_counted, precision=cfg.training.precision, loss_scale_cfg=cfg.loss_scale,
-            tied_params=self.tied, tied_group=ctx.embedding_group if self.tied else None,
-            param_init=param_init, device=self.device,
-        )
-        p2p = None
-        if ctx.pp_size > 1:
-            seq = m.seq_len // ctx.tp_size if p.sequence_parallel else m.seq_len
-            shape = (cfg.training.micro_batch_size, seq, m.hidden_size)
-            p2p = PipelineP2P(ctx.pp_group, shape, PRECISION_DTYPES[cfg.training.precision], self.device,
-                              self.virtual_stages)
-        if self.device.type == "cuda":  # TF32 for fp32 matmuls (--no-tf32 for exact fp32, e.g. parity runs)
-            torch.backends.cuda.matmul.allow_tf32 = cfg.training.tf32
-            torch.backends.cudnn.allow_tf32 = cfg.training.tf32
-        if cfg.training.compile:  # MEGAZERO_COMPILE_BACKEND: another torch.compile backend (tests: aot_eager)
-            backend = os.environ.get("MEGAZERO_COMPILE_BACKEND", "inductor")
-            for chunk in self.chunks:
-                chunk.compile_blocks(backend=backend)
-        self.executor = PipelineExecutor(self.chunks, self.specs, p2p, ctx.pp_rank, ctx.pp_size, self.device)
+        parts = recipe.build(cfg, ctx, self.device)
+        self.schedule, self.virtual_stages, self.specs = parts.schedule, parts.virtual_stages, parts.specs
+        self.rng_tracker, self.chunks, self.tied = parts.rng_tracker, parts.chunks, parts.tied
+        self.optimizer = parts.optimizer
+        self.model = parts.model
+        self.executor = PipelineExecutor(self.chunks, self.specs, parts.p2p, ctx.pp_rank, ctx.pp_size, self.device)
         self.activation_peak_bytes = 0  # most saved-activation bytes held at once, over all steps
         self.step = 0  # optimizer steps taken
 
@@ -140,7 +95,7 @@ class Engine:
         A collective over the whole world (so no rank waits for a peer that raised); returns the relative
         difference ``||E_last - E_first|| / ||E_first||`` (0 without pipelining).
         """
-        if self.ctx.pp_size == 1:
+        if not self.ctx.pp_enabled:
             return 0.0
         world = self.ctx.world_group
         rel = torch.zeros(1, dtype=torch.float64, device=world.device)

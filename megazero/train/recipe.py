@@ -1,0 +1,131 @@
+"""The recipe: how one rank's share of the model is built and wrapped, as an ordered list of named steps.
+
+:func:`build` runs them in order (torchtitan's ``parallelize`` reads the same way):
+
+1. :func:`split_for_pp` – which layers each of this rank's model chunks runs (one chunk per virtual stage);
+2. :func:`build_on_meta` – the chunks on the meta device (shapes without storage), with tensor parallelism
+   applied as they are built: Megatron-style layers are born sharded over the TP group, so no rank ever holds
+   a layer's unsharded weight (torchtitan's ``apply_tp`` instead rewrites whole modules into DTensor ones, which
+   needs the full module first);
+3. :func:`materialiser` – each parameter's initial value from (seed, unsharded name) at its full shape, then
+   this rank's slice, so every topology starts from the same model;
+4. :func:`wrap_for_zero` – the ZeRO optimizer over the DP group; it calls the materialiser one parameter
+   (stages 0-2) or one gather unit (stage 3, sharded) at a time, so no rank ever holds a second full copy of
+   its replica (and at stage 3 not even one);
+5. :func:`pipeline_p2p` – the batched transfers between stages;
+6. :func:`apply_compile` – ``torch.compile`` of each transformer block.
+
+Only this module and the engine see the whole :class:`ParallelContext`; each step hands a layer or the optimizer
+the one group it needs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megazero.config import Config
+from megazero.distributed.context import ParallelContext
+from megazero.model.gpt import GPT, parameter_initializer
+from megazero.pipeline.p2p import PipelineP2P
+from megazero.pipeline.partition import StageSpec, stage_specs
+from megazero.tensor_parallel.random import RNGTracker
+from megazero.zero.optimizer import PRECISION_DTYPES, ZeroOptimizer, grad_norm_weights
+
+__all__ = ["Parts", "apply_compile", "build", "build_on_meta", "materialiser", "pipeline_p2p",
+           "split_for_pp", "wrap_for_zero"]
+
+
+@dataclass
+class Parts:
+    """What the recipe produces for one rank."""
+
+    schedule: str  # the pipeline schedule actually run ("1f1b" without pipelining)
+    virtual_stages: int
+    specs: list[StageSpec]  # one per chunk
+    rng_tracker: RNGTracker
+    chunks: list[GPT]
+    model: nn.Module  # the one chunk, or a ModuleList of them (what the optimizer wraps)
+    tied: list[nn.Parameter]  # the tied word embedding's copies on this rank (pp > 1 only)
+    optimizer: ZeroOptimizer
+    p2p: PipelineP2P | None
+
+
+def split_for_pp(cfg: Config, ctx: ParallelContext) -> tuple[str, int, list[StageSpec]]:
+    """The schedule, the virtual stages per rank and the layers of each of this rank's chunks."""
+    p = cfg.parallel
+    schedule = p.pp_schedule if ctx.pp_enabled else "1f1b"
+    virtual_stages = p.virtual_stages if schedule == "interleaved" else 1
+    specs = stage_specs(cfg.model.num_layers, ctx.pp_size, ctx.pp_rank, virtual_stages, p.pp_layout)
+    return schedule, virtual_stages, specs
+
+
+def build_on_meta(cfg: Config, ctx: ParallelContext, specs: list[StageSpec], rng_tracker: RNGTracker) -> list[GPT]:
+    """This rank's chunks on the meta device, their parallel layers sharded over ``ctx.tp_group``."""
+    with torch.device("meta"):
+        return [GPT(cfg.model, ctx.tp_group, layers=s.layers, pre_process=s.pre_process,
+                    post_process=s.post_process, sequence_parallel=cfg.parallel.sequence_parallel,
+                    rng_tracker=rng_tracker, activation_checkpointing=cfg.activation_checkpointing)
+                for s in specs]
+
+
+def materialiser(chunks: list[GPT], cfg: Config, ctx: ParallelContext, device: torch.device):
+    """The function ZeRO calls to give one meta parameter its initial fp32 value on ``device``."""
+    return parameter_initializer(chunks, cfg.training.seed, ctx.tp_group, device)
+
+
+def wrap_for_zero(chunks: list[GPT], cfg: Config, ctx: ParallelContext, param_init, device: torch.device
+                  ) -> tuple[ZeroOptimizer, nn.Module, list[nn.Parameter]]:
+    """The ZeRO optimizer over the DP group, materialising ``chunks`` as it partitions them.
+
+    With pipelining the first and last stage each hold a copy of the tied word embedding: their gradients are
+    summed over the embedding group and the last stage's copy is left out of the gradient norm (counted once).
+    """
+    tied = [c.wte.weight for c in chunks if hasattr(c, "wte")] if ctx.pp_enabled else []
+    model = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
+    norm_counted = grad_norm_weights(model, ctx.tp_rank)
+    for chunk in chunks:
+        if chunk.post_process and not chunk.pre_process and ctx.pp_enabled:
+            norm_counted[chunk.wte.weight] = False
+    optimizer = ZeroOptimizer(
+        model, cfg.zero, cfg.optimizer, dp_group=ctx.dp_group, norm_group=ctx.mp_group, norm_counted=norm_counted,
+        precision=cfg.training.precision, loss_scale_cfg=cfg.loss_scale, tied_params=tied,
+        tied_group=ctx.embedding_group if tied else None, param_init=param_init, device=device)
+    return optimizer, model, tied
+
+
+def pipeline_p2p(cfg: Config, ctx: ParallelContext, virtual_stages: int, device: torch.device) -> PipelineP2P | None:
+    """The batched point-to-point transfers between stages (activations are [micro, seq / tp with SP, hidden])."""
+    if not ctx.pp_enabled:
+        return None
+    m, t = cfg.model, cfg.training
+    seq = m.seq_len // ctx.tp_size if cfg.parallel.sequence_parallel else m.seq_len
+    return PipelineP2P(ctx.pp_group, (t.micro_batch_size, seq, m.hidden_size), PRECISION_DTYPES[t.precision],
+                       device, virtual_stages)
+
+
+def apply_compile(chunks: list[GPT], cfg: Config, device: torch.device) -> None:
+    """``torch.compile`` each block (``--compile``; ``MEGAZERO_COMPILE_BACKEND`` picks another backend, e.g.
+    ``aot_eager`` in tests), and set TF32 for fp32 matmuls on CUDA (``--no-tf32`` for exact fp32 parity)."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = cfg.training.tf32
+        torch.backends.cudnn.allow_tf32 = cfg.training.tf32
+    if cfg.training.compile:
+        backend = os.environ.get("MEGAZERO_COMPILE_BACKEND", "inductor")
+        for chunk in chunks:
+            chunk.compile_blocks(backend=backend)
+
+
+def build(cfg: Config, ctx: ParallelContext, device: torch.device) -> Parts:
+    """Run the recipe's steps in order for this rank."""
+    schedule, virtual_stages, specs = split_for_pp(cfg, ctx)
+    rng_tracker = RNGTracker(cfg.training.seed, ctx.tp_rank, device)
+    chunks = build_on_meta(cfg, ctx, specs, rng_tracker)
+    param_init = materialiser(chunks, cfg, ctx, device)
+    optimizer, model, tied = wrap_for_zero(chunks, cfg, ctx, param_init, device)
+    p2p = pipeline_p2p(cfg, ctx, virtual_stages, device)
+    apply_compile(chunks, cfg, device)
+    return Parts(schedule, virtual_stages, specs, rng_tracker, chunks, model, tied, optimizer, p2p)
