@@ -11,14 +11,15 @@ from typing import Any
 import pytest
 
 from megazero.config.cli import build_parser, parse_args
-from megazero.config.deepspeed import IGNORED_KEYS, NOT_SUPPORTED_KEYS, SUPPORTED_KEYS, load_deepspeed_config
+from megazero.config.deepspeed import load_deepspeed_config
+from megazero.config.deepspeed_keys import IGNORED_KEYS, NOT_SUPPORTED_KEYS, SUPPORTED_KEYS
+from megazero.config.resolve import resolve_config
 from megazero.config.schema import (
     PRESETS,
     Config,
     ConfigError,
     ConfigWarning,
     SchedulerConfig,
-    resolve_config,
 )
 from megazero.train.lr_schedule import lr_at
 

@@ -2,12 +2,12 @@
 line, and the DeepSpeed JSON adapter. Every other package receives a resolved :class:`Config` (or one of its
 sections); nothing here imports the runtime."""
 
+from megazero.config.errors import ConfigError, ConfigWarning
+from megazero.config.resolve import resolve_config
 from megazero.config.schema import (
     PRESETS,
     ActivationCheckpointingConfig,
     Config,
-    ConfigError,
-    ConfigWarning,
     DataConfig,
     LoggingConfig,
     LossScaleConfig,
@@ -18,7 +18,6 @@ from megazero.config.schema import (
     TrainingConfig,
     ZeroConfig,
     model_preset,
-    resolve_config,
 )
 
 __all__ = [

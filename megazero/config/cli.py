@@ -11,18 +11,16 @@ from dataclasses import replace
 from typing import Any
 
 from megazero.config.deepspeed import load_deepspeed_config, merge_with_flags
-from megazero.config.schema import (
+from megazero.config.resolve import (
     BACKENDS,
     CHECKPOINTING_MODES,
     OPTIMIZERS,
     PP_SCHEDULES,
     PRECISIONS,
-    PRESETS,
     SCHEDULES,
     WANDB_MODES,
-    Config,
-    model_preset,
 )
+from megazero.config.schema import PRESETS, Config, model_preset
 
 __all__ = ["build_parser", "parse_args"]
 

@@ -1,23 +1,14 @@
 """DeepSpeed-style JSON configuration (``--deepspeed-config FILE``) mapped onto megazero's dataclasses.
 
-Every key falls in exactly one of four classes, kept as the explicit tables below:
-
-(a) ``SUPPORTED_KEYS``: mapped onto a megazero setting, with DeepSpeed's meaning.
-(b) ``IGNORED_KEYS``: accepted with a one-line :class:`~megazero.config.schema.ConfigWarning`; only keys that cannot
-    change what is trained (logging, profiling, performance knobs, NVMe/IO tuning, save formats).
-(c) ``NOT_SUPPORTED_KEYS``: recognised, but megazero cannot do it yet -> :class:`ConfigError` naming the key
-    and what to use instead (``ALTERNATIVES``). A value that requests nothing (DeepSpeed's default, e.g.
-    ``"sparse_gradients": false`` or a block with ``"enabled": false``) is accepted with a warning instead.
-(d) anything else: unknown. At the top level DeepSpeed reads the keys it knows and ignores the rest, so
-    megazero does too, with one warning naming them all (with a "did you mean" where one is close). Inside a
-    block DeepSpeed's pydantic models refuse unknown keys, so megazero raises ConfigError naming the path.
+Every key is classified against the tables of :mod:`megazero.config.deepspeed_keys`: supported keys are mapped,
+ignored ones warned about, recognised but unsupported ones refused naming the alternative (unless their value
+requests nothing), unknown ones warned about at the top level and refused inside a block, as DeepSpeed does.
 
 What DeepSpeed's own parser does with configs in the style of its documentation and of fine-tuning tutorials
 is recorded in ``tests/fixtures/ds_configs`` (``*.verdict.json``); the test suite holds megazero to the same
 verdicts, except where megazero refuses a key DeepSpeed honours (NVMe offload, optimizers other than Adam),
 naming the key and the alternative.
 
-Nested keys are classified by their full dotted path (``zero_optimization.offload_optimizer.device``).
 ``"auto"`` (as in the Hugging Face integration) means "take the value from the command line or the default".
 A key that is absent from a block the file does contain takes DeepSpeed's default for that block (Adam's
 betas are (0.9, 0.999) and its weight decay 0 in DeepSpeed), reported separately as ``implied`` so that an
@@ -32,143 +23,27 @@ import json
 import math
 import os
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any
 
-from megazero.config.schema import ConfigError, ConfigWarning
+from megazero.config.deepspeed_keys import (
+    ADAM_TYPES,
+    ALTERNATIVES,
+    AUTO,
+    IGNORED_KEYS,
+    NOT_SUPPORTED_KEYS,
+    NOT_SUPPORTED_OPTIMIZERS,
+    NOT_SUPPORTED_SCHEDULERS,
+    SCHEDULER_NAMES,
+    SCHEDULER_PARAMS,
+    SUPPORTED_KEYS,
+    children,
+    is_inert,
+)
+from megazero.config.errors import ConfigError, ConfigWarning
 
-__all__ = [
-    "ALTERNATIVES",
-    "DeepSpeedSettings",
-    "IGNORED_KEYS",
-    "NOT_SUPPORTED_KEYS",
-    "SUPPORTED_KEYS",
-    "load_deepspeed_config",
-    "merge_with_flags",
-]
-
-_AUTO = "auto"
-_DISABLED = object()  # NOT_SUPPORTED_KEYS value: inert when the block is absent-or-false "enabled"
-_NEVER = object()  # NOT_SUPPORTED_KEYS value: no value is inert
-
-# (a) Keys megazero reads. A block key (``zero_optimization``) makes its children classifiable.
-SUPPORTED_KEYS: frozenset[str] = frozenset({
-    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
-    "steps_per_print",
-    "optimizer", "optimizer.type", "optimizer.params", "optimizer.params.lr", "optimizer.params.betas",
-    "optimizer.params.eps", "optimizer.params.weight_decay", "optimizer.params.adam_w_mode",
-    "scheduler", "scheduler.type", "scheduler.params", "scheduler.params.warmup_min_lr",
-    "scheduler.params.warmup_max_lr", "scheduler.params.warmup_num_steps", "scheduler.params.warmup_type",
-    "scheduler.params.total_num_steps", "scheduler.params.warmup_min_ratio", "scheduler.params.cos_min_ratio",
-    "fp16", "fp16.enabled", "fp16.loss_scale", "fp16.initial_scale_power", "fp16.loss_scale_window",
-    "fp16.hysteresis", "fp16.min_loss_scale",
-    "bf16", "bf16.enabled", "bfloat16", "bfloat16.enabled",  # bfloat16 is DeepSpeed's older spelling
-    "zero_optimization", "zero_optimization.stage", "zero_optimization.reduce_bucket_size",
-    "zero_optimization.allgather_bucket_size", "zero_optimization.overlap_comm",
-    "zero_optimization.reduce_scatter", "zero_optimization.contiguous_gradients",
-    "zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.stage3_param_persistence_threshold",
-    "zero_optimization.stage3_max_live_parameters", "zero_optimization.stage3_max_reuse_distance",
-    "zero_optimization.offload_optimizer", "zero_optimization.offload_optimizer.device",
-    "zero_optimization.offload_optimizer.pin_memory",
-    "zero_optimization.offload_param", "zero_optimization.offload_param.device",
-    "zero_optimization.offload_param.pin_memory",
-    "activation_checkpointing", "activation_checkpointing.partition_activations",
-    "activation_checkpointing.cpu_checkpointing",
-    "communication_data_type", "data_types", "data_types.grad_accum_dtype",
-})
-
-# (b) Keys accepted and ignored, with why that is harmless. A block here is ignored whole.
-IGNORED_KEYS: Mapping[str, str] = MappingProxyType({
-    "wall_clock_breakdown": "timing report", "dump_state": "debug print", "memory_breakdown": "memory report",
-    "flops_profiler": "profiler", "tensorboard": "logging sink", "csv_monitor": "logging sink",
-    "wandb": "logging sink; use --wandb-project", "comet": "logging sink", "comms_logger": "logging",
-    "zero_allow_untested_optimizer": "safety switch", "zero_force_ds_cpu_optimizer": "safety switch",
-    "prescale_gradients": "only moves the 1/dp division before the reduction",
-    "aio": "NVMe I/O tuning", "checkpoint": "DeepSpeed checkpoint-engine options",
-    "optimizer.params.torch_adam": "kernel choice", "optimizer.params.fused": "kernel choice",
-    "fp16.auto_cast": "input casting; megazero casts inside the model",
-    "zero_optimization.round_robin_gradients": "offload copy order",
-    "zero_optimization.sub_group_size": "optimizer step granularity",
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "save format",
-    "zero_optimization.stage3_gather_fp16_weights_on_model_save": "save format",
-    "zero_optimization.load_from_fp32_weights": "DeepSpeed checkpoint loading",
-    "zero_optimization.allgather_partitions": "all-gather vs broadcasts: same result",
-    "zero_optimization.elastic_checkpoint": "DeepSpeed checkpoint format",
-    "zero_optimization.ignore_unused_parameters": "GPT uses every parameter",
-    "zero_optimization.grad_hooks": "reduction timing", "zero_optimization.cpu_offload_use_pin_memory": "pinning",
-    "zero_optimization.memory_efficient_linear": "kernel choice",
-    "zero_optimization.use_multi_rank_bucket_allreduce": "reduction scheduling",
-    "zero_optimization.offload_optimizer.nvme_path": "NVMe only",
-    "zero_optimization.offload_optimizer.buffer_count": "NVMe only",
-    "zero_optimization.offload_optimizer.fast_init": "NVMe only",
-    "zero_optimization.offload_param.nvme_path": "NVMe only",
-    "zero_optimization.offload_param.buffer_count": "NVMe only",
-    "zero_optimization.offload_param.buffer_size": "NVMe only",
-    "zero_optimization.offload_param.max_in_cpu": "NVMe only",
-    "activation_checkpointing.contiguous_memory_optimization": "memory layout",
-    "activation_checkpointing.number_checkpoints": "buffer sizing",
-    "activation_checkpointing.synchronize_checkpoint_boundary": "CUDA sync for timing",
-    "activation_checkpointing.profile": "timing report",
-})
-
-# (c) Keys recognised but not supported yet, with the value that requests nothing (accepted with a warning).
-NOT_SUPPORTED_KEYS: Mapping[str, object] = MappingProxyType({
-    "amp": _DISABLED, "sparse_attention": _NEVER, "pipeline": _NEVER, "curriculum_learning": _DISABLED,
-    "data_efficiency": _DISABLED, "compression_training": _NEVER, "elasticity": _DISABLED,
-    "autotuning": _DISABLED, "eigenvalue": _DISABLED, "progressive_layer_drop": _DISABLED,
-    "quantize_training": _DISABLED, "hybrid_engine": _DISABLED, "nebula": _DISABLED,
-    "seq_parallel_communication_data_type": None, "fp32_allreduce": False,
-    "sparse_gradients": False, "gradient_predivide_factor": 1.0,
-    "optimizer.params.amsgrad": False, "optimizer.params.bias_correction": True,
-    "scheduler.params.last_batch_iteration": -1,
-    "fp16.fp16_master_weights_and_grads": False, "fp16.consecutive_hysteresis": False,  # changes the scaler
-    "zero_optimization.zero_hpz_partition_size": 1, "zero_optimization.zero_quantized_weights": False,
-    "zero_optimization.zero_quantized_nontrainable_weights": False,
-    "zero_optimization.zero_quantized_gradients": False, "zero_optimization.mics_shard_size": -1,
-    "zero_optimization.mics_hierarchical_params_gather": False, "zero_optimization.cpu_offload": False,
-    "zero_optimization.cpu_offload_params": False, "zero_optimization.legacy_stage1": False,
-    "zero_optimization.offload_optimizer.ratio": 1.0,
-})
-
-# What to use instead of a NOT_SUPPORTED_KEYS entry (default: remove it).
-ALTERNATIVES: Mapping[str, str] = MappingProxyType({
-    "amp": 'use "bf16": {"enabled": true} (or "fp16") instead of Apex AMP',
-    "sparse_attention": "remove the block: megazero's attention is dense (and DeepSpeed 0.19 removed it)",
-    "pipeline": "use --pp N (and --pp-schedule, --virtual-stages) for pipeline parallelism",
-    "curriculum_learning": "remove it; megazero samples fixed-length sequences",
-    "data_efficiency": "remove it; megazero samples fixed-length sequences",
-    "elasticity": "fix the world size; torchrun --max-restarts with --load auto resumes a failed job",
-    "autotuning": "tools/plan.py searches topologies, micro-batch and ZeRO stage with the memory estimator",
-    "fp32_allreduce": "remove it: bf16 gradients are reduced in fp32 by default",
-    "zero_optimization.cpu_offload": 'use "offload_optimizer": {"device": "cpu"}',
-    "zero_optimization.cpu_offload_params": 'use "offload_param": {"device": "cpu"}',
-    "zero_optimization.legacy_stage1": 'remove it; "stage": 1 is the partitioned-optimizer stage',
-    "zero_optimization.offload_optimizer.ratio": "remove it: the whole optimizer state is offloaded",
-    "scheduler.params.last_batch_iteration": "resume with --load, which restores the step",
-    "optimizer.params.amsgrad": "remove it; megazero's Adam/AdamW has no AMSGrad variant",
-    "optimizer.params.bias_correction": "remove it; Adam is always bias-corrected",
-    "fp16.fp16_master_weights_and_grads": "remove it; master weights stay in fp32",
-})
-
-_ADAM_TYPES = ("adam", "adamw")
-_NOT_SUPPORTED_OPTIMIZERS = frozenset({
-    "onebitadam", "zerooneadam", "onebitlamb", "lamb", "lion", "adagrad", "sgd", "muadam", "muadamw", "musgd",
-    "adamax", "adadelta", "nadam", "radam", "rmsprop", "asgd", "sparseadam", "lbfgs", "adafactor",
-})
-# Scheduler type -> its parameters (DeepSpeed's constructor signatures).
-_SCHEDULER_PARAMS: Mapping[str, frozenset[str]] = MappingProxyType({
-    "WarmupLR": frozenset({"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
-                           "last_batch_iteration"}),
-    "WarmupDecayLR": frozenset({"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
-                                "total_num_steps", "last_batch_iteration"}),
-    "WarmupCosineLR": frozenset({"total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio",
-                                 "warmup_type", "last_batch_iteration"}),
-})
-_SCHEDULER_NAMES = MappingProxyType({"WarmupLR": "warmup_lr", "WarmupDecayLR": "warmup_decay_lr",
-                                     "WarmupCosineLR": "warmup_cosine_lr"})
-_NOT_SUPPORTED_SCHEDULERS = frozenset({"OneCycle", "LRRangeTest"})
+__all__ = ["DeepSpeedSettings", "load_deepspeed_config", "merge_with_flags"]
 
 
 @dataclass(frozen=True)
@@ -227,26 +102,6 @@ def merge_with_flags(ds: DeepSpeedSettings, explicit: Mapping[str, Any], flags: 
     return {**ds.implied, **ds.values, **explicit}
 
 
-def _children(prefix: str, keys: Iterable[str] | None = None) -> list[str]:
-    """Names of the keys one level below ``prefix`` ("" for the top level) in the tables."""
-    keys = [*SUPPORTED_KEYS, *IGNORED_KEYS, *NOT_SUPPORTED_KEYS] if keys is None else keys
-    depth = prefix.count(".") + 1 if prefix else 0
-    return sorted({k.split(".")[depth] for k in keys if (k.startswith(prefix + ".") or not prefix)
-                   and k.count(".") >= depth})
-
-
-def _is_inert(value: Any, inert: object) -> bool:
-    """Whether a NOT_SUPPORTED_KEYS value requests nothing ("auto" never requests anything)."""
-    if value == _AUTO:
-        return True
-    if inert is _NEVER:
-        return False
-    if inert is _DISABLED:
-        return isinstance(value, Mapping) and value.get("enabled", False) in (False, _AUTO)
-    if isinstance(inert, bool) or inert is None:
-        return value is inert
-    return not isinstance(value, bool) and value == inert
-
 
 def _classify(block: Mapping[str, Any], prefix: str) -> None:
     """Walk the keys of one JSON object: recurse into supported blocks, warn or raise for the rest."""
@@ -261,20 +116,21 @@ def _classify(block: Mapping[str, Any], prefix: str) -> None:
         elif path in IGNORED_KEYS:
             _warn(f"DeepSpeed key `{path}` is accepted but ignored by megazero ({IGNORED_KEYS[path]})")
         elif path in NOT_SUPPORTED_KEYS:
-            if not _is_inert(value, NOT_SUPPORTED_KEYS[path]):
+            if not is_inert(value, NOT_SUPPORTED_KEYS[path]):
                 instead = ALTERNATIVES.get(path, "remove it from the DeepSpeed config")
                 raise ConfigError(f"`{path}` is recognised but not supported yet by megazero; {instead}")
             _warn(f"DeepSpeed key `{path}` = {value!r} requests nothing and is ignored by megazero")
         elif not prefix:  # DeepSpeed reads the top-level keys it knows and ignores the rest
-            close = difflib.get_close_matches(str(key), _children(""), n=1)
+            close = difflib.get_close_matches(str(key), children(""), n=1)
             ignored.append(f"`{key}`" + (f" (did you mean `{close[0]}`?)" if close else ""))
         else:
-            close = difflib.get_close_matches(str(key), _children(prefix), n=1)
+            close = difflib.get_close_matches(str(key), children(prefix), n=1)
             if close:
                 hint = f"; did you mean `{prefix + '.' if prefix else ''}{close[0]}`?"
             else:
-                hint = f"; megazero reads {', '.join(_children(prefix, SUPPORTED_KEYS))} here"
-            raise ConfigError(f"unknown DeepSpeed config key `{path}`{hint} (all keys: megazero/config/deepspeed.py)")
+                hint = f"; megazero reads {', '.join(children(prefix, SUPPORTED_KEYS))} here"
+            raise ConfigError(f"unknown DeepSpeed config key `{path}`{hint} "
+                              "(all keys: megazero/config/deepspeed_keys.py)")
     if ignored:
         _warn(f"top-level DeepSpeed config keys {', '.join(ignored)} are not settings megazero knows and are "
               "ignored (DeepSpeed ignores unknown top-level keys too)")
@@ -291,28 +147,28 @@ def _check_types(raw: Mapping[str, Any]) -> None:
         if "type" not in opt:
             raise ConfigError('`optimizer.type` is missing; use "Adam" or "AdamW"')
         name = str(opt["type"])
-        if name.lower() in _NOT_SUPPORTED_OPTIMIZERS:
+        if name.lower() in NOT_SUPPORTED_OPTIMIZERS:
             raise ConfigError(f'`optimizer.type` "{name}" is recognised but not supported yet by megazero; '
                               'use "Adam" or "AdamW"')
-        if name.lower() not in _ADAM_TYPES:
+        if name.lower() not in ADAM_TYPES:
             raise ConfigError(f'unknown `optimizer.type` "{name}"; megazero supports "Adam" and "AdamW"')
     sched = raw.get("scheduler")
     if isinstance(sched, Mapping):
         if "type" not in sched:
-            raise ConfigError(f"`scheduler.type` is missing; use one of {', '.join(_SCHEDULER_PARAMS)}")
+            raise ConfigError(f"`scheduler.type` is missing; use one of {', '.join(SCHEDULER_PARAMS)}")
         name = str(sched["type"])
-        if name in _NOT_SUPPORTED_SCHEDULERS:
+        if name in NOT_SUPPORTED_SCHEDULERS:
             raise ConfigError(f'`scheduler.type` "{name}" is recognised but not supported yet by megazero; use '
-                              f"one of {', '.join(_SCHEDULER_PARAMS)}")
-        if name not in _SCHEDULER_PARAMS:
-            close = difflib.get_close_matches(name, [*_SCHEDULER_PARAMS, *_NOT_SUPPORTED_SCHEDULERS], n=1)
+                              f"one of {', '.join(SCHEDULER_PARAMS)}")
+        if name not in SCHEDULER_PARAMS:
+            close = difflib.get_close_matches(name, [*SCHEDULER_PARAMS, *NOT_SUPPORTED_SCHEDULERS], n=1)
             hint = f'; did you mean "{close[0]}"?' if close else ""
             raise ConfigError(f'unknown `scheduler.type` "{name}"{hint}')
         params = sched.get("params")
         for key in params if isinstance(params, Mapping) else ():
-            if key not in _SCHEDULER_PARAMS[name] and f"scheduler.params.{key}" in SUPPORTED_KEYS:
+            if key not in SCHEDULER_PARAMS[name] and f"scheduler.params.{key}" in SUPPORTED_KEYS:
                 raise ConfigError(f"`scheduler.params.{key}` is not a parameter of {name}; it takes "
-                                  f"{', '.join(sorted(_SCHEDULER_PARAMS[name]))}")
+                                  f"{', '.join(sorted(SCHEDULER_PARAMS[name]))}")
 
 
 # ---- value readers: each names the key path on a type error -----------------------------------------------
@@ -357,7 +213,7 @@ def _offload_device(path: str, v: Any) -> str | None:
 def _put(out: DeepSpeedSettings, block: Mapping[str, Any], prefix: str, key: str, setting: str,
          read: Callable[[str, Any], Any]) -> None:
     """Map ``block[key]`` (unless absent or "auto") onto ``setting`` after ``read(path, value)``."""
-    if key in block and block[key] != _AUTO:
+    if key in block and block[key] != AUTO:
         path = f"{prefix}{key}"
         out.values[setting] = read(path, block[key])
         out.sources[setting] = f"`{path}` = {json.dumps(block[key])}"
@@ -413,7 +269,7 @@ def _map_optimizer(opt: Mapping[str, Any] | None, out: DeepSpeedSettings) -> Non
     params = opt.get("params") or {}
     kind = str(opt["type"]).lower()
     w_mode = params.get("adam_w_mode", True)
-    w_mode = True if w_mode == _AUTO else _bool("optimizer.params.adam_w_mode", w_mode)
+    w_mode = True if w_mode == AUTO else _bool("optimizer.params.adam_w_mode", w_mode)
     if kind == "adamw" and not w_mode:
         _warn("`optimizer.params.adam_w_mode` false is ignored: DeepSpeed's AdamW is always decoupled")
     name = "adamw" if kind == "adamw" or w_mode else "adam"
@@ -427,7 +283,7 @@ def _map_optimizer(opt: Mapping[str, Any] | None, out: DeepSpeedSettings) -> Non
     _put(out, params, p, "eps", "optimizer.eps", _float)
     _put(out, params, p, "weight_decay", "optimizer.weight_decay", _float)
     betas = params.get("betas")
-    if betas is not None and betas != _AUTO:
+    if betas is not None and betas != AUTO:
         if not isinstance(betas, (list, tuple)) or len(betas) != 2:
             raise ConfigError(f"`optimizer.params.betas` must be a list of two numbers, got {betas!r}")
         for i, b in enumerate(betas):
@@ -444,7 +300,7 @@ def _map_scheduler(sched: Mapping[str, Any] | None, out: DeepSpeedSettings) -> N
     if sched is None:
         return
     kind, params, p = sched["type"], sched.get("params") or {}, "scheduler.params."
-    out.values["scheduler.name"] = _SCHEDULER_NAMES[kind]
+    out.values["scheduler.name"] = SCHEDULER_NAMES[kind]
     out.sources["scheduler.name"] = f"`scheduler.type` = {json.dumps(kind)}"
     _put(out, params, p, "warmup_num_steps", "scheduler.warmup_steps", _int)
     _put(out, params, p, "warmup_type", "scheduler.warmup_type", lambda k, v: _str(k, v, ("log", "linear")))
@@ -459,7 +315,7 @@ def _map_scheduler(sched: Mapping[str, Any] | None, out: DeepSpeedSettings) -> N
         implied["scheduler.warmup_min_lr"] = 0.0
         opt_lr = out.values.get("optimizer.lr")
         peak = params.get("warmup_max_lr", 1e-3)
-        if peak != _AUTO:
+        if peak != AUTO:
             peak = _float(f"{p}warmup_max_lr", peak)
             if opt_lr is not None and opt_lr != peak:
                 said = "" if "warmup_max_lr" in params else " (DeepSpeed's default: the key is missing)"
@@ -475,7 +331,7 @@ def _map_scheduler(sched: Mapping[str, Any] | None, out: DeepSpeedSettings) -> N
     auto = {"warmup_num_steps": "scheduler.warmup_steps", "warmup_type": "scheduler.warmup_type",
             "warmup_min_lr": "scheduler.warmup_min_lr", "warmup_max_lr": "optimizer.lr",
             "warmup_min_ratio": "scheduler.warmup_min_ratio", "cos_min_ratio": "scheduler.min_ratio"}
-    for setting in [*out.values, *(auto[k] for k, v in params.items() if v == _AUTO and k in auto)]:
+    for setting in [*out.values, *(auto[k] for k, v in params.items() if v == AUTO and k in auto)]:
         out.implied.pop(setting, None)  # stated, or "auto": the flag or megazero's default, not DeepSpeed's
 
 
@@ -485,7 +341,7 @@ def _map_precision(raw: Mapping[str, Any], out: DeepSpeedSettings) -> None:
         if not isinstance(raw.get(block), Mapping):
             continue
         flag = raw[block].get("enabled", False)  # DeepSpeed: a block without "enabled" is disabled
-        if flag == _AUTO:
+        if flag == AUTO:
             continue
         source = f"`{block}.enabled` = {json.dumps(flag)}"
         if _bool(f"{block}.enabled", flag):
