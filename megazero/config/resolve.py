@@ -17,6 +17,7 @@ from dataclasses import replace
 from typing import Any, TypeVar
 
 from megazero.config.errors import ConfigError, ConfigWarning
+from megazero.config.precision import GRAD_DTYPES
 
 __all__ = [
     "BACKENDS",
@@ -42,7 +43,6 @@ WARMUP_TYPES = ("linear", "log")
 CHECKPOINTING_MODES = ("none", "full", "selective")
 BACKENDS = ("gloo", "nccl")
 WANDB_MODES = ("online", "offline", "disabled")
-GRAD_DTYPES = ("auto", "fp32", "model")  # megazero.zero.grads: the dtype gradients are accumulated/reduced in
 
 
 def _require(ok: bool, message: str) -> None:

@@ -29,16 +29,15 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["GRAD_DTYPES", "OwnedGrads", "grad_dtype_for", "split_runs"]
+from megazero.config.precision import GRAD_DTYPES, PRECISION_DTYPES
 
-GRAD_DTYPES = ("auto", "fp32", "model")
-_MODEL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+__all__ = ["OwnedGrads", "grad_dtype_for", "split_runs"]
 
 
 def grad_dtype_for(precision: str, setting: str = "auto") -> torch.dtype:
     """The dtype gradients are accumulated and reduced in, for ``--precision`` and ``--grad-dtype``."""
-    if precision not in _MODEL_DTYPES:
-        raise ValueError(f"--precision must be one of {', '.join(_MODEL_DTYPES)}, got {precision!r}")
+    if precision not in PRECISION_DTYPES:
+        raise ValueError(f"--precision must be one of {', '.join(PRECISION_DTYPES)}, got {precision!r}")
     if setting == precision:  # a DeepSpeed dtype name equal to the model's
         setting = "model"
     if setting not in GRAD_DTYPES:
@@ -46,7 +45,7 @@ def grad_dtype_for(precision: str, setting: str = "auto") -> torch.dtype:
                          f"{setting!r}")
     if setting == "fp32" or (setting == "auto" and precision == "bf16"):
         return torch.float32
-    return _MODEL_DTYPES[precision]
+    return PRECISION_DTYPES[precision]
 
 
 def split_runs(runs: Sequence[tuple[int, int]], bounds: Sequence[int]) -> list[tuple[int, int]]:
