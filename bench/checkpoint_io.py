@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megazero.checkpoint.sharded import load_checkpoint, save_checkpoint  # noqa: E402
+from megazero.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from megazero.config.cli import parse_args  # noqa: E402
 from megazero.train.engine import Engine  # noqa: E402
 from tests.dist import run_world  # noqa: E402

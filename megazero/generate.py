@@ -292,7 +292,7 @@ class _HFTokenizer:
 def load_tokenizer(path: str | os.PathLike, override: str | None = None) -> Any:
     """The tokenizer of a checkpoint or export directory: ``override``, its ``tokenizer.model``, else a Hugging
     Face tokenizer saved beside it. Has ``encode``, ``decode`` and ``eos_id``."""
-    from megazero.checkpoint.sharded import CheckpointReader, find_checkpoint
+    from megazero.checkpoint import CheckpointReader, find_checkpoint
     from megazero.data.tokenizer import Tokenizer
 
     if override:
@@ -337,7 +337,7 @@ def load_model(path: str | os.PathLike, tp_group: Group | None = None, device: t
     """A whole :class:`GPT` (every layer) for this TP rank, from ``path``: a ``--save`` directory or step
     directory (sharded, any topology), a merged export (``config.json`` with ``megazero_model``) or a Hugging
     Face GPT-2 directory (``config.json`` with ``model_type`` gpt2)."""
-    from megazero.checkpoint.sharded import CheckpointError, CheckpointReader, find_checkpoint
+    from megazero.checkpoint import CheckpointError, CheckpointReader, find_checkpoint
 
     path = Path(path)
     tp_size, tp_rank = tp_size_rank(tp_group)

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megazero.checkpoint.sharded import FAULT_ENV, CheckpointReader, find_checkpoint, list_checkpoints
+from megazero.checkpoint import CheckpointReader, find_checkpoint, list_checkpoints
+from megazero.checkpoint.faults import FAULT_ENV
 from megazero.config.cli import parse_args
 from megazero.train.loop import run_training
 from tests import launch

@@ -34,8 +34,9 @@ except ImportError:  # running from a checkout without `pip install -e .`
 
 import torch
 
+from megazero.checkpoint import CheckpointError, CheckpointReader, find_checkpoint
 from megazero.checkpoint.safetensors_io import write_safetensors
-from megazero.checkpoint.sharded import TOKENIZER, CheckpointError, CheckpointReader, find_checkpoint
+from megazero.checkpoint.store import TOKENIZER
 from megazero.config.schema import ModelConfig
 from megazero.model.hf import hf_gpt2_config, to_hf_gpt2_tensor
 

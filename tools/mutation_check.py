@@ -78,7 +78,7 @@ MUTATIONS = [
              ("tests/test_offload.py::test_offload_matches_single_process",)),
     Mutation("checkpoint-optimizer-reshard", "checkpoint: Adam moments are read from offset 0 of the saved "
              "parameter instead of this rank's run (master values still right)",
-             "megazero/checkpoint/sharded.py",
+             "megazero/checkpoint/load.py",
              "ctx.tp_size, offset, n, k)",
              "ctx.tp_size, offset if k == \"master\" else 0, n, k)",
              ("tests/test_checkpoint.py::test_reshard_on_load_continues_the_uninterrupted_run",)),

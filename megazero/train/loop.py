@@ -1,7 +1,7 @@
 """The pretraining loop: data -> engine steps -> evaluation -> metrics -> checkpoints, for one rank of a world.
 
 ``--load`` restores a checkpoint (any topology) before the first step and the loop continues after its step;
-``--save`` writes one every ``--save-interval`` steps and at the end (:mod:`megazero.checkpoint.sharded`).
+``--save`` writes one every ``--save-interval`` steps and at the end (:mod:`megazero.checkpoint`).
 
 ``pretrain/gpt.py`` parses flags, starts the process group and calls :func:`run_training`; tests call it
 directly inside a world of the test harness.
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from megazero.checkpoint.sharded import load_checkpoint, maybe_inject_fault, save_checkpoint
+from megazero.checkpoint import faults, load_checkpoint, save_checkpoint
 from megazero.config.schema import Config
 from megazero.data import DistributedBatchSampler, build_datasets, collate, resolve_tokenizer
 from megazero.distributed.context import ParallelContext
@@ -165,7 +165,7 @@ def run_training(cfg: Config, ctx: ParallelContext, device: torch.device | None 
             tracked = logged and not t.compile
             with peak_tracker if tracked else contextlib.nullcontext():
                 res = engine.train_step(batch)
-            maybe_inject_fault("step", ctx.rank, step)
+            faults.maybe_inject_fault("step", ctx.rank, step)
             step_seconds = time.perf_counter() - step_start
             if not tracked:
                 untracked_seconds = step_seconds

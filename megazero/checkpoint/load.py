@@ -1,0 +1,221 @@
+"""Loading a checkpoint at any topology, precision or ZeRO stage: the reader of a step directory and the
+reshard on load.
+
+Each rank (:func:`load_checkpoint`) reads the manifest, checks the model configuration and tokenizer, and
+reads exactly the runs of the canonical state (:mod:`megazero.checkpoint.canonical`) it owns now. When the TP
+size is unchanged, a run is read straight from the overlapping saved pieces of the same TP shard; otherwise
+the full tensor is assembled from every TP shard's pieces, re-sharded for the new TP rank (vocab padding
+follows the new TP size) and sliced. Only the files holding needed pieces are opened, and each file's SHA-256
+is checked on first use. RNG states are restored per rank at an unchanged topology (a resumed run continues
+bit for bit); after a reshard from saved rank 0 (TP tracker: the first saved rank of the same TP rank).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from megazero.checkpoint.canonical import FORMAT, KINDS, VERSION, TrainState, named_params
+from megazero.checkpoint.safetensors_io import SafetensorsFile, sha256_file
+from megazero.checkpoint.store import LATEST, MANIFEST, TOKENIZER, CheckpointError, agree, find_checkpoint
+from megazero.observe.log import get_logger
+from megazero.tensor_parallel.layers import ShardSpec, shard_full_tensor
+
+if TYPE_CHECKING:
+    from megazero.data import DistributedBatchSampler, Tokenizer
+    from megazero.distributed.context import ParallelContext
+
+__all__ = ["CheckpointReader", "load_checkpoint"]
+
+_ARCH_FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size", "num_heads": "--num-heads",
+               "seq_len": "--seq-len", "vocab_size": "--vocab-size", "layernorm_eps": "model.layernorm_eps"}
+
+
+class CheckpointReader:
+    """Read access to one complete step directory: its manifest and any range of any saved tensor.
+
+    Files are opened (and their SHA-256 checked against the manifest) on first use only, so a reader touches
+    just the files that hold the pieces asked for. Used by :func:`load_checkpoint` and
+    ``tools/convert_checkpoint.py``.
+    """
+
+    def __init__(self, step_dir: str | os.PathLike, verify: bool = True) -> None:
+        self.dir = Path(step_dir)
+        self.verify = verify
+        path = self.dir / MANIFEST
+        try:
+            self.manifest: dict[str, Any] = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"cannot read {path}: {e}") from e
+        if self.manifest.get("format") != FORMAT or self.manifest.get("version") != VERSION:
+            raise CheckpointError(f"{path} is not a {FORMAT} version {VERSION} manifest")
+        self.tensors: dict[str, dict[str, Any]] = self.manifest["tensors"]
+        self.tp_size: int = self.manifest["topology"]["tp"]
+        self._files: dict[str, SafetensorsFile] = {}
+
+    def file(self, name: str) -> SafetensorsFile:
+        """The shard file ``name``, checked against the manifest's size and checksum on first use."""
+        if name not in self._files:
+            path, meta = self.dir / name, self.manifest["files"].get(name)
+            if meta is None:
+                raise CheckpointError(f"{path} is not listed in {self.dir / MANIFEST}")
+            if not path.is_file():
+                raise CheckpointError(f"checkpoint file {path} is missing (listed in its manifest); restore it or "
+                                      "load another checkpoint")
+            if self.verify and (path.stat().st_size != meta["bytes"] or sha256_file(path) != meta["sha256"]):
+                raise CheckpointError(f"checkpoint file {path} is corrupt (size or SHA-256 differs from the "
+                                      "manifest); restore it or load another checkpoint")
+            self._files[name] = SafetensorsFile(path)
+        return self._files[name]
+
+    def tokenizer_path(self) -> Path | None:
+        """The run's tokenizer model copied into the checkpoint, checksum-verified (None if it had none)."""
+        tok = self.manifest.get("tokenizer")
+        path = self.dir / tok["file"] if tok else None
+        if path is not None and (not path.is_file() or (self.verify and sha256_file(path) != tok["sha256"])):
+            raise CheckpointError(f"checkpoint file {path} is missing or corrupt (SHA-256 differs from the manifest)")
+        return path
+
+    def read_range(self, name: str, kind: str, tp_rank: int, start: int, numel: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements ``[start, start + numel)`` of saved TP shard ``tp_rank`` of ``name`` (flattened, fp32),
+        read into ``out`` if given."""
+        rec = self.tensors[name]
+        tp = tp_rank if rec["partition_dim"] is not None else 0
+        out = torch.empty(numel, dtype=torch.float32) if out is None else out
+        filled = 0
+        for pc in rec["pieces"]:
+            lo, hi = max(start, pc["offset"]), min(start + numel, pc["offset"] + pc["numel"])
+            if pc["tp"] != tp or lo >= hi:
+                continue
+            self.file(pc["file"]).read_into(kind, pc["at"] + lo - pc["offset"], out[lo - start: hi - start])
+            filled += hi - lo
+        if filled != numel:
+            raise CheckpointError(f"{self.dir / MANIFEST}: the pieces of {name} do not cover [{start}, "
+                                  f"{start + numel}) of TP shard {tp}")
+        return out
+
+    def full_tensor(self, name: str, kind: str = "master") -> torch.Tensor:
+        """The full, unpadded fp32 tensor ``name`` assembled from every saved TP shard, in place: each shard is
+        read into one reused buffer and copied to its blocks (peak: the tensor plus one shard)."""
+        rec = self.tensors[name]
+        local, dim = rec["local_shape"], rec["partition_dim"]
+        numel = int(torch.Size(local).numel())
+        if dim is None:
+            return self.read_range(name, kind, 0, 0, numel).view(local)
+        size, n = local[dim] * self.tp_size, local[dim] // rec["stride"]  # padded dim; rows per block per rank
+        full = torch.empty([size if d == dim else x for d, x in enumerate(local)])
+        shard = torch.empty(local)
+        for r in range(self.tp_size):  # the inverse of shard_full_tensor: block b of rank r's shard
+            self.read_range(name, kind, r, 0, numel, out=shard.view(-1))
+            for b in range(rec["stride"]):
+                full.narrow(dim, b * size // rec["stride"] + r * n, n).copy_(shard.narrow(dim, b * n, n))
+        return full.narrow(dim, 0, rec["shape"][dim]).contiguous()
+
+    def values_for(self, name: str, spec: ShardSpec, tp_rank: int, tp_size: int, start: int, numel: int,
+                   kind: str) -> torch.Tensor:
+        """Elements ``[start, start + numel)`` of ``name``'s flattened TP shard ``tp_rank`` of ``tp_size`` as
+        this run lays it out (``spec``: the live parameter's spec, whose padding may differ from the saved)."""
+        if tuple(self.tensors[name]["shape"]) != tuple(spec.full_shape):
+            raise CheckpointError(f"{self.dir}: {name} has shape {tuple(self.tensors[name]['shape'])} in the "
+                                  f"checkpoint but {tuple(spec.full_shape)} in this model")
+        rec = self.tensors[name]
+        same = (spec.partition_dim, spec.stride, spec.padded_dim_size) == (
+            rec["partition_dim"], rec["stride"], rec["padded_dim_size"])
+        if spec.partition_dim is None or (tp_size == self.tp_size and same):
+            return self.read_range(name, kind, tp_rank, start, numel)
+        full = self.full_tensor(name, kind)
+        return shard_full_tensor(full, spec, tp_rank, tp_size).reshape(-1)[start: start + numel].clone()
+
+    def rng_state(self, rank: int) -> dict[str, torch.Tensor]:
+        """The RNG tensors saved by global rank ``rank``."""
+        name = f"rank_{rank:05d}.safetensors"
+        f = self.file(name)
+        return {k: f.read(k).clone() for k in f.header if k.startswith("rng.")}
+
+
+def _check_compatible(reader: CheckpointReader, cfg: Any, tokenizer: Tokenizer | None) -> None:
+    saved = reader.manifest["model"]
+    wrong = [f"{flag} {getattr(cfg.model, f)} != checkpoint's {saved.get(f)}"
+             for f, flag in _ARCH_FLAGS.items() if saved.get(f) != getattr(cfg.model, f)]
+    if wrong:
+        raise CheckpointError(f"checkpoint {reader.dir} has a different model configuration: {'; '.join(wrong)}. "
+                              "Pass the checkpoint's model settings (manifest.json, \"model\") to resume from it")
+    tok = reader.manifest.get("tokenizer")
+    if tokenizer is not None and tok is not None and tok["sha256"] != tokenizer.fingerprint:
+        raise CheckpointError(f"checkpoint {reader.dir} was trained with another tokenizer (SHA-256 "
+                              f"{tok['sha256'][:12]}..., this run's {tokenizer.fingerprint[:12]}...); pass "
+                              f"--tokenizer {reader.dir / TOKENIZER}")
+
+
+def _rng_source(manifest: dict[str, Any], ctx: ParallelContext) -> tuple[int, int]:
+    """Saved ranks whose (default, TP-tracker) RNG states this rank takes."""
+    topo = manifest["topology"]
+    if (topo["tp"], topo["pp"], topo["dp"]) == (ctx.tp_size, ctx.pp_size, ctx.dp_size):
+        return ctx.rank, ctx.rank
+    same_tp = [m["rank"] for m in manifest["files"].values() if m["tp_rank"] == ctx.tp_rank]
+    return 0, min(same_tp) if same_tp else -1
+
+
+def load_checkpoint(engine: TrainState, sampler: DistributedBatchSampler | None, path: str | os.PathLike,
+                    tokenizer: Tokenizer | None = None, missing_ok: bool = False) -> dict[str, Any] | None:
+    """Restore ``engine`` and ``sampler`` from the checkpoint at ``path`` (a step directory, or a ``--save``
+    directory: its ``latest``), at this run's topology, precision and ZeRO stage.
+
+    A collective over the world. Returns the manifest, or None when ``missing_ok`` and there is no checkpoint
+    (``--load auto`` on a first start). Raises :class:`CheckpointError` on every rank if any rank fails.
+    """
+    ctx, opt, start = engine.ctx, engine.optimizer, time.perf_counter()
+    error: BaseException | None = None
+    manifest = values = rng = None
+    try:
+        step_dir = find_checkpoint(path)
+        if step_dir is None and not missing_ok:
+            raise CheckpointError(f"no checkpoint in {path}: no {LATEST} file and no complete step_* directory")
+    except Exception as e:  # noqa: BLE001
+        error, step_dir = e, None
+    agree(ctx, error)
+    found = torch.tensor([int(step_dir is not None)], dtype=torch.int64, device=ctx.world_group.device)
+    ctx.world_group.all_reduce(found, tag="checkpoint")
+    if 0 < found.item() < ctx.world_size:
+        raise CheckpointError(f"ranks disagree on whether {path} holds a checkpoint; it must be on a shared filesystem")
+    if step_dir is None:
+        return None
+    try:
+        reader = CheckpointReader(step_dir)
+        manifest = reader.manifest
+        _check_compatible(reader, engine.cfg, tokenizer)
+        if sampler is not None and manifest["sampler"] is not None:
+            sampler.load_state_dict(manifest["sampler"])
+        names = {p: n for n, p, _ in named_params(engine)}
+        values = []
+        for p, offset, views in opt.owned_state():
+            name, n = names[p], views["master"].numel()
+            if name not in reader.tensors:
+                raise CheckpointError(f"checkpoint {step_dir} has no tensor {name}")
+            values.append({k: reader.values_for(name, p.shard_spec, ctx.tp_rank, ctx.tp_size, offset, n, k)
+                           for k in KINDS})
+        default_src, tp_src = _rng_source(manifest, ctx)
+        rng = {**(reader.rng_state(tp_src) if tp_src >= 0 else {}),
+               "rng.torch": reader.rng_state(default_src)["rng.torch"]}
+    except Exception as e:  # noqa: BLE001
+        error = e
+    agree(ctx, error)
+    opt.load_state_dict({"step_count": manifest["optimizer_step"], "loss_scaler": manifest["loss_scaler"],
+                         "owned": values})
+    engine.step = manifest["step"]
+    torch.set_rng_state(rng["rng.torch"])
+    if "rng.tp" in rng:
+        engine.rng_tracker.state = rng["rng.tp"].to(engine.rng_tracker.state.device)
+    if "rng.cuda" in rng and engine.device.type == "cuda":
+        torch.cuda.set_rng_state(rng["rng.cuda"], engine.device)
+    topo = manifest["topology"]
+    get_logger().info("loaded checkpoint %s (step %d, saved at tp=%d pp=%d dp=%d ZeRO %d %s) in %.2fs",
+                      step_dir, engine.step, topo["tp"], topo["pp"], topo["dp"], manifest["zero_stage"],
+                      manifest["precision"], time.perf_counter() - start)
+    return manifest
