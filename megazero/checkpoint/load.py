@@ -40,8 +40,8 @@ class CheckpointReader:
     """Read access to one complete step directory: its manifest and any range of any saved tensor.
 
     Files are opened (and their SHA-256 checked against the manifest) on first use only, so a reader touches
-    just the files that hold the pieces asked for. Used by :func:`load_checkpoint` and
-    ``tools/convert_checkpoint.py``.
+    just the files that hold the pieces asked for. Used by :func:`load_checkpoint`, generation
+    (:mod:`megazero.generate`) and ``tools/convert_checkpoint.py``.
     """
 
     def __init__(self, step_dir: str | os.PathLike, verify: bool = True) -> None:
