@@ -1,14 +1,11 @@
-"""Text generation from megazero's GPT: a KV cache, greedy or sampled decoding, any TP/PP topology.
+"""Text generation from megazero's GPT: greedy or sampled decoding, any TP/PP topology.
 
-Decoding reads the weights of a built :class:`~megazero.model.gpt.GPT` (or of one rank's pipeline chunks) and
-runs its own incremental forward, so the training forward stays as it is. Per step it feeds only the new
-tokens: their positions start at the cache length, their keys and values are appended to :class:`KVCache`
-and attend to every cached position (the causal mask is offset by the cache length). The tensor-parallel
-layers are used as they are sharded: column-parallel matmuls on this rank's heads / FFN slice, row-parallel
-matmuls summed over ``tp_group``, the vocabulary-parallel embedding and LM head gathered over ``tp_group``.
-Sequence parallelism, dropout and ZeRO-3 hooks play no part (no module's ``forward`` is called), so the same
-code serves a model built for training with any of them; ZeRO-3 callers wrap it in
-``optimizer.gathered_parameters()``.
+The forward is the model's own (:class:`~megazero.model.gpt.GPT`, or one rank's pipeline chunks) with a
+:class:`~megazero.model.cache.KVCache`: per step it feeds only the new tokens, whose keys and values each
+attention appends to the cache and whose positions start at the cache's length. The tensor-parallel layers run
+their own forward and collectives. Decoding runs in eval mode (no dropout; each chunk's mode is restored
+after) and without sequence parallelism, so a model built for training serves as it is; ZeRO-3 callers wrap
+it in ``optimizer.gathered_parameters()``.
 
 With pipeline stages each rank runs its chunks in global stage order, receives the hidden states of the new
 tokens from the previous stage and sends its own to the next; the last stage picks the token and broadcasts
@@ -23,23 +20,23 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
-from einops import rearrange
 
 from megazero.config.schema import ModelConfig
 from megazero.distributed.group import Group
+from megazero.model.cache import KVCache
 from megazero.model.gpt import GPT
 from megazero.model.hf import to_hf_gpt2_tensor
 from megazero.tensor_parallel.layers import shard_full_tensor, tp_size_rank
-from megazero.tensor_parallel.mappings import gather_from_tp_region, reduce_from_tp_region
 
-__all__ = ["KVCache", "SamplingConfig", "TextCodec", "forward_step", "generate_ids", "generate_samples",
-           "load_model", "load_tokenizer", "read_prompts", "sample_next"]
+__all__ = ["SamplingConfig", "TextCodec", "generate_ids", "generate_samples", "load_model", "load_tokenizer",
+           "read_prompts", "sample_next"]
 
 
 @dataclass(frozen=True)
@@ -64,100 +61,6 @@ class SamplingConfig:
             raise ValueError(f"--max-new-tokens must be >= 0, got {self.max_new_tokens}")
 
 
-class KVCache:
-    """Keys and values of every processed position, per layer: ``[B, nh/tp, max_len, hd]`` buffers.
-
-    :meth:`update` writes the new positions at ``length`` and returns the keys/values of positions
-    ``[0, length + new)``; :meth:`advance` moves ``length`` once every layer has seen the new positions.
-    """
-
-    def __init__(self, max_len: int) -> None:
-        self.max_len = max_len
-        self.length = 0
-        self._k: dict[int, torch.Tensor] = {}
-        self._v: dict[int, torch.Tensor] = {}
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        end = self.length + k.shape[2]
-        if end > self.max_len:
-            raise ValueError(f"KV cache of {self.max_len} positions cannot hold {end}")
-        if layer not in self._k:
-            shape = (k.shape[0], k.shape[1], self.max_len, k.shape[3])
-            self._k[layer] = k.new_empty(shape)
-            self._v[layer] = v.new_empty(shape)
-        self._k[layer][:, :, self.length: end] = k
-        self._v[layer][:, :, self.length: end] = v
-        return self._k[layer][:, :, :end], self._v[layer][:, :, :end]
-
-    def advance(self, n: int) -> None:
-        self.length += n
-
-
-# ---- the incremental forward --------------------------------------------------------------------------------
-def _column(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Column-parallel linear: this rank's output slice."""
-    return F.linear(x, layer.weight, layer.bias)
-
-
-def _row(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Row-parallel linear: partial sums over this rank's input slice, summed over the TP group, then the bias."""
-    y = reduce_from_tp_region(F.linear(x, layer.weight), layer.tp_group)
-    return y + layer.bias if layer.bias is not None else y
-
-
-def _layer_norm(ln: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return F.layer_norm(x, ln.weight.shape, ln.weight, ln.bias, ln.eps)
-
-
-def _embed(model: GPT, ids: torch.Tensor, start: int) -> torch.Tensor:
-    """Token embedding (vocabulary-parallel) + the positions ``[start, start + S)``: [B, S] -> [B, S, H]."""
-    wte = model.wte
-    tp_size, _ = tp_size_rank(wte.tp_group)
-    if tp_size == 1:
-        tokens = F.embedding(ids, wte.weight)
-    else:
-        local = ids - wte.vocab_start
-        outside = (local < 0) | (local >= wte.local_vocab)
-        tokens = F.embedding(local.masked_fill(outside, 0), wte.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        tokens = reduce_from_tp_region(tokens, wte.tp_group)
-    return tokens + model.wpe.weight[start: start + ids.shape[1]]
-
-
-def _attention(attn: torch.nn.Module, x: torch.Tensor, layer: int, cache: KVCache | None) -> torch.Tensor:
-    """Causal attention of the new positions over the cached and new ones: [B, S, H] -> [B, S, H]."""
-    q, k, v = _column(attn.qkv, x).chunk(3, dim=-1)  # 3 x [B, S, H/tp]
-    q, k, v = (rearrange(t, "b s (nh hd) -> b nh s hd", nh=attn.local_heads) for t in (q, k, v))
-    if cache is not None:
-        k, v = cache.update(layer, k, v)  # [B, nh/tp, past + S, hd]
-    new, total = q.shape[2], k.shape[2]
-    # query i sits at position past + i and sees keys 0 .. past + i
-    mask = torch.arange(total, device=x.device) <= torch.arange(total - new, total, device=x.device)[:, None]
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, nh/tp, S, hd]
-    return _row(attn.proj, rearrange(y, "b nh s hd -> b s (nh hd)"))
-
-
-def _mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return _row(mlp.proj, F.gelu(_column(mlp.fc, x), approximate="tanh"))
-
-
-@torch.no_grad()
-def forward_step(model: GPT, x: torch.Tensor, cache: KVCache | None, start: int = 0) -> torch.Tensor:
-    """One chunk's forward over new positions starting at ``start`` (the cache length, 0 without a cache).
-
-    ``x``: token ids [B, S] on the first stage, else the previous stage's hidden states [B, S, H]. Returns the
-    hidden states [B, S, H], or on the last stage the full, unpadded fp32 logits [B, S, vocab] (gathered over TP).
-    """
-    if model.pre_process:
-        x = _embed(model, x, start)
-    for name, block in model.blocks.items():
-        x = x + _attention(block.attn, _layer_norm(block.ln_1, x), int(name), cache)
-        x = x + _mlp(block.mlp, _layer_norm(block.ln_2, x))
-    if not model.post_process:
-        return x
-    logits = F.linear(_layer_norm(model.ln_f, x), model.wte.weight)  # [B, S, V/tp]
-    return gather_from_tp_region(logits, model.wte.tp_group)[..., : model.cfg.vocab_size].float()
-
-
 def sample_next(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None) -> torch.Tensor:
     """The next token [B] from the last position's logits [B, V]: argmax at temperature 0, else a draw after
     temperature scaling and the top-k and top-p (nucleus) filters."""
@@ -175,9 +78,10 @@ def sample_next(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Gene
     return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
 
 
-def _pipeline_forward(chunks: list[GPT], ids: torch.Tensor, cache: KVCache | None, start: int,
+def _pipeline_forward(chunks: list[GPT], ids: torch.Tensor, cache: KVCache | None,
                       pp_group: Group | None) -> torch.Tensor | None:
-    """Run the new positions through every stage; the last stage returns logits, other ranks None."""
+    """Run the new positions through every stage; the last stage returns the full, unpadded fp32 logits
+    [B, S, vocab] (gathered over TP), other ranks None."""
     pp_size, pp_rank = tp_size_rank(pp_group)
     out, sends = None, []
     for chunk in chunks:  # chunk v is global stage v * pp + pp_rank; every rank runs them in that order
@@ -187,15 +91,27 @@ def _pipeline_forward(chunks: list[GPT], ids: torch.Tensor, cache: KVCache | Non
             ref = chunk.blocks[next(iter(chunk.blocks))].ln_1.weight if chunk.blocks else chunk.ln_f.weight
             x = torch.empty((*ids.shape, chunk.cfg.hidden_size), dtype=ref.dtype, device=ref.device)
             pp_group.recv(x, src=(pp_rank - 1) % pp_size)
-        y = forward_step(chunk, x, cache, start)
         if chunk.post_process:
-            out = y
+            out = chunk.full_logits(x, cache).float()
         else:
-            y = y.contiguous()
+            y = chunk(x, cache=cache).contiguous()  # [B, S, H]
             sends.append((pp_group.isend(y, dst=(pp_rank + 1) % pp_size, tag="other"), y))
     for work, _ in sends:
         work.wait()
     return out
+
+
+@contextmanager
+def _eval_mode(chunks: list[GPT]) -> Iterator[None]:
+    """No dropout while decoding; each chunk's training flag is restored after (samples taken during training)."""
+    modes = [c.training for c in chunks]
+    for c in chunks:
+        c.eval()
+    try:
+        yield
+    finally:
+        for c, mode in zip(chunks, modes):
+            c.train(mode)
 
 
 @torch.no_grad()
@@ -205,7 +121,8 @@ def generate_ids(chunks: GPT | list[GPT], prompt: list[int], cfg: SamplingConfig
     rank of the replica calls it with the same arguments and gets the same tokens.
 
     ``chunks``: this rank's model chunks in order (one :class:`GPT` holding every layer without pipelining).
-    Without ``use_cache`` every step runs the whole sequence again (a reference for the cache).
+    Without ``use_cache`` every step runs the whole sequence again through the training forward (a reference
+    for the cache).
     """
     chunks = [chunks] if isinstance(chunks, GPT) else list(chunks)
     mcfg = chunks[0].cfg
@@ -214,31 +131,29 @@ def generate_ids(chunks: GPT | list[GPT], prompt: list[int], cfg: SamplingConfig
     if len(prompt) + cfg.max_new_tokens > mcfg.seq_len:
         raise ValueError(f"prompt ({len(prompt)} tokens) + --max-new-tokens ({cfg.max_new_tokens}) exceeds the "
                          f"model's context of {mcfg.seq_len} positions; shorten the prompt or ask for fewer tokens")
-    device = chunks[0].wte.weight.device if hasattr(chunks[0], "wte") else next(chunks[0].parameters()).device
-    tp_group = next(c.blocks[n].attn.qkv.tp_group for c in chunks for n in c.blocks) if any(
-        c.blocks for c in chunks) else chunks[0].wte.tp_group
+    device = next(chunks[0].parameters()).device
+    tp_group = chunks[0].tp_group
     pp_last = (pp_group.size - 1) if pp_group is not None else 0
     generator = torch.Generator(device).manual_seed(cfg.seed) if cfg.temperature > 0 else None
     cache = KVCache(mcfg.seq_len) if use_cache else None
     tokens, new = list(prompt), []
-    for _ in range(cfg.max_new_tokens):
-        start = cache.length if cache is not None else 0
-        ids = torch.tensor([tokens[start:]], dtype=torch.long, device=device)
-        logits = _pipeline_forward(chunks, ids, cache, start, pp_group)
-        if cache is not None:
-            cache.advance(ids.shape[1])
-        token = torch.zeros(1, dtype=torch.long, device=device)
-        if logits is not None:
-            token = sample_next(logits[:, -1], cfg, generator)
-        if tp_group is not None:
-            tp_group.broadcast(token, src=0, tag="other")
-        if pp_group is not None:
-            pp_group.broadcast(token, src=pp_last, tag="other")
-        t = int(token.item())
-        tokens.append(t)
-        new.append(t)
-        if cfg.stop_at_eos and eos_id is not None and t == eos_id:
-            break
+    with _eval_mode(chunks):
+        for _ in range(cfg.max_new_tokens):
+            fed = cache.length if cache is not None else 0  # positions the cache holds already
+            ids = torch.tensor([tokens[fed:]], dtype=torch.long, device=device)
+            logits = _pipeline_forward(chunks, ids, cache, pp_group)
+            token = torch.zeros(1, dtype=torch.long, device=device)
+            if logits is not None:
+                token = sample_next(logits[:, -1], cfg, generator)
+            if tp_group is not None:
+                tp_group.broadcast(token, src=0, tag="other")
+            if pp_group is not None:
+                pp_group.broadcast(token, src=pp_last, tag="other")
+            t = int(token.item())
+            tokens.append(t)
+            new.append(t)
+            if cfg.stop_at_eos and eos_id is not None and t == eos_id:
+                break
     return new
 
 

@@ -1,6 +1,7 @@
-"""Text generation: greedy decoding equals transformers' generate on the Hugging Face export, the KV cache equals
-recomputation, sampling filters do what they say, and tp=2 / pp=2 / dp=2 (ZeRO-3) decode what one process does,
-from a checkpoint (tools/generate.py's loader) and as --sample-prompts samples during training."""
+"""Text generation: greedy decoding equals transformers' generate on the Hugging Face export, the model's forward
+with a KV cache equals its forward without one, sampling filters do what they say, and tp=2 (with and without
+sequence parallelism) / pp=2 / dp=2 (ZeRO-3) decode what one process does, from a checkpoint
+(tools/generate.py's loader) and as --sample-prompts samples during training."""
 
 from __future__ import annotations
 
@@ -12,14 +13,10 @@ import pytest
 import torch
 
 from megazero.config.cli import parse_args
-from megazero.generate import (
-    SamplingConfig,
-    forward_step,
-    generate_ids,
-    load_model,
-    load_tokenizer,
-    sample_next,
-)
+from megazero.config.schema import ModelConfig
+from megazero.generate import SamplingConfig, generate_ids, load_model, load_tokenizer, sample_next
+from megazero.model import GPT, init_parameters
+from megazero.model.cache import KVCache
 from megazero.train.loop import run_training
 from tests.dist import run_world
 
@@ -131,21 +128,45 @@ def test_kv_cache_equals_recomputation(trained) -> None:
     cached = _greedy(model, tok)
     assert cached == _greedy(model, tok, use_cache=False)
     # token by token through the cache, the logits equal the training forward's over the whole sequence
-    from megazero.generate import KVCache
-
     seq = tok.encode(PROMPTS[0]) + cached[0]
     ids = torch.tensor([seq])
-    full = model.full_logits(ids)[0]  # the model's own (training) forward
-    cache, steps = KVCache(model.cfg.seq_len), []
-    for i in range(len(seq)):
-        steps.append(forward_step(model, ids[:, i: i + 1], cache, start=cache.length)[0, 0])
-        cache.advance(1)
+    full = model.full_logits(ids)[0]  # no cache: the training forward
+    cache = KVCache(model.cfg.seq_len)
+    steps = [model.full_logits(ids[:, i: i + 1], cache)[0, 0] for i in range(len(seq))]
     torch.testing.assert_close(torch.stack(steps), full, rtol=1e-4, atol=1e-4)
     # a prompt processed at once, then one token: the same as well
     cache = KVCache(model.cfg.seq_len)
-    forward_step(model, ids[:, :5], cache, 0)
-    cache.advance(5)
-    torch.testing.assert_close(forward_step(model, ids[:, 5:6], cache, 5)[0, 0], full[5], rtol=1e-4, atol=1e-4)
+    model.full_logits(ids[:, :5], cache)
+    torch.testing.assert_close(model.full_logits(ids[:, 5:6], cache)[0, 0], full[5], rtol=1e-4, atol=1e-4)
+
+
+@torch.no_grad()
+def test_cached_forward_equals_uncached_at_every_position() -> None:
+    """The model's own forward, fed a prompt and then one, one and three tokens a call through a KV cache, gives
+    every position the logits of the forward without a cache over the whole sequence (fp32), as one model and
+    as two pipeline chunks sharing a cache (each appending to its own layers' slots)."""
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_heads=4, seq_len=32, vocab_size=1000)
+    model = GPT(cfg)
+    stages = [GPT(cfg, layers=range(0, 1), post_process=False), GPT(cfg, layers=range(1, 2), pre_process=False)]
+    for m in (model, *stages):
+        init_parameters(m, seed=0)
+        m.eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    full = model.full_logits(ids)  # [B, S, vocab], no cache
+    runs = {"one model": lambda x, c: model.full_logits(x, c),
+            "two chunks": lambda x, c: stages[1].full_logits(stages[0](x, cache=c), c)}
+    for name, run in runs.items():
+        cache, got = KVCache(cfg.seq_len), []
+        for start, end in ((0, 5), (5, 6), (6, 7), (7, 10)):
+            assert cache.length == start, name
+            got.append(run(ids[:, start:end], cache))
+            torch.testing.assert_close(torch.cat(got, dim=1), full[:, :end], rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+    assert sorted(cache.layers) == [0, 1] and cache.length == 10
+    cache = KVCache(cfg.seq_len)
+    model(ids[:1, :2].repeat(1, 15), cache=cache)  # 30 positions
+    with pytest.raises(ValueError, match="sequence of 33 tokens exceeds --seq-len 32"):
+        model(ids[:1, :3], cache=cache)
 
 
 def test_sampling_filters() -> None:
@@ -171,8 +192,9 @@ def test_sampling_filters() -> None:
 
 
 def _parallel(ctx, ckpt: str, flags_file: str, log_dir: str) -> dict:
-    """One 2-rank world: the tool's loader at tp=2 (greedy and sampled), then --sample-prompts training runs at
-    tp=2, pp=2 and dp=2 with ZeRO-3, each resuming the one-process checkpoint."""
+    """One 2-rank world: the tool's loader at tp=2 (greedy and sampled), the same weights in a sequence-parallel
+    model in training mode, then --sample-prompts training runs at tp=2, pp=2 and dp=2 with ZeRO-3, each resuming
+    the one-process checkpoint."""
     from megazero.distributed.context import ParallelContext, RankGrid
 
     sub = {k: ParallelContext.from_grid(RankGrid.from_world(2, tp_size=t, pp_size=p))
@@ -182,6 +204,10 @@ def _parallel(ctx, ckpt: str, flags_file: str, log_dir: str) -> dict:
     out["greedy"] = _greedy(model, tok)
     out["sampled"] = [generate_ids(model, tok.encode(p), SamplingConfig(NEW, 0.9, 20, 0.95, seed=3),
                                    eos_id=tok.eos_id) for p in PROMPTS]
+    sp = GPT(model.cfg, sub["tp"].tp_group, sequence_parallel=True)  # decodes with the sequence whole, no dropout
+    sp.load_state_dict(model.state_dict())
+    out["sp_greedy"] = _greedy(sp.train(), tok)
+    out["sp_restored"] = sp.training and all(m.sequence_parallel for m in (sp, sp.wte, sp.blocks["0"].mlp.fc))
     flags = _sample_flags(Path(flags_file))
     for name, c, extra in (("tp", sub["tp"], ["--tp", "2", "--micro-batch-size", "16"]),
                            ("pp", sub["pp"], ["--pp", "2", "--micro-batch-size", "8"]),
@@ -199,7 +225,8 @@ def test_parallel_decoding_equals_one_process(trained, tmp_path) -> None:
     sampled = [generate_ids(model, tok.encode(p), SamplingConfig(NEW, 0.9, 20, 0.95, seed=3), eos_id=tok.eos_id)
                for p in PROMPTS]
     for r in ranks:
-        assert r["greedy"] == _greedy(model, tok)
+        assert r["greedy"] == r["sp_greedy"] == _greedy(model, tok)
+        assert r["sp_restored"]
         assert r["sampled"] == sampled
     ref = trained["samples"]
     assert [s for s, _ in ref] == [STEPS + 2] and len(ref[0][1]) == len(PROMPTS)

@@ -17,13 +17,19 @@ For pipeline parallelism, one :class:`GPT` holds a contiguous range of layers: `
 embeddings (first stage), ``post_process`` the final LayerNorm and LM head (last stage; it keeps its own copy
 of the token embedding, kept equal to the first stage's by the pipeline). Blocks are keyed by their global
 layer index, so a parameter has the same name (``blocks.5.mlp.fc.weight``) in every topology.
+
+Decoding runs these same modules with a :class:`~megazero.model.cache.KVCache` (``forward(x, cache=cache)``):
+each attention appends the new positions' keys and values to its layer's slot and attends over the cached
+prefix, and positions start at the cache's length. Without a cache nothing of this runs: training keeps the
+fused causal kernel, recomputation and compiled blocks.
 """
 
 from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +38,7 @@ from torch import nn
 
 from megazero.config.schema import ActivationCheckpointingConfig, ModelConfig
 from megazero.distributed.group import Group
+from megazero.model.cache import KVCache, LayerKV
 from megazero.model.kernels import causal_attention, dropout
 from megazero.tensor_parallel import (
     ColumnParallelLinear,
@@ -114,11 +121,22 @@ class CausalSelfAttention(nn.Module):
         with self.rng_tracker.fork():  # this rank's heads: its own dropout mask (eager under torch.compile)
             return causal_attention(q, k, v, dropout_p)
 
-    def _core(self, qkv: torch.Tensor) -> torch.Tensor:
-        """The attention core: [B, S, 3H/tp] -> [B, S, H/tp], this rank's heads."""
+    @staticmethod
+    def _attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The new positions' queries [B, nh/tp, S, hd] over every cached key [B, nh/tp, past + S, hd]."""
+        past = k.shape[2] - q.shape[2]
+        # query i sits at position past + i and sees keys 0 .. past + i (is_causal would align it to key 0)
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(past)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def _core(self, qkv: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
+        """The attention core: [B, S, 3H/tp] -> [B, S, H/tp], this rank's heads (over ``kv``'s prefix too)."""
         q, k, v = qkv.chunk(3, dim=-1)  # 3 x [B, S, H/tp]
         q, k, v = (rearrange(t, "b s (nh hd) -> b nh s hd", nh=self.local_heads) for t in (q, k, v))
-        y = self._attend(q, k, v)  # [B, nh/tp, S, hd]
+        if kv is None:
+            y = self._attend(q, k, v)  # [B, nh/tp, S, hd]
+        else:
+            y = self._attend_cached(q, *kv.append(k, v))  # [B, nh/tp, S, hd]
         return rearrange(y, "b nh s hd -> b s (nh hd)")  # [B, S, H/tp]
 
     @torch.compiler.disable
@@ -126,10 +144,11 @@ class CausalSelfAttention(nn.Module):
         """The core under selective recomputation; eager under torch.compile (re-entrant checkpoint)."""
         return checkpoint(self._core, qkv, options=self.recompute)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
+        """[B, S, H] -> [B, S, H]; with ``kv`` (decoding) ``x`` holds the new positions after the cached ones."""
         qkv = self.qkv(x)  # [B, S, 3H/tp]
-        if self.recompute is None:
-            y = self._core(qkv)
+        if self.recompute is None or kv is not None:
+            y = self._core(qkv, kv)
         else:  # keep only qkv; recompute the core in backward (its heads differ per rank: never partitioned)
             y = self._recomputed_core(qkv)
         return self.resid_dropout(self.proj(y))  # [B, S, H] summed over TP ranks ([B, S/tp, H] with SP)
@@ -165,8 +184,8 @@ class Block(nn.Module):
         self.ln_2 = LayerNorm(cfg.hidden_size, cfg.layernorm_eps)
         self.mlp = MLP(cfg, tp_group, sequence_parallel, rng_tracker)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -176,6 +195,7 @@ class GPT(nn.Module):
     ``forward(tokens_or_hidden, targets)``: the first stage takes token ids [B, S], later stages the hidden
     states [B, S, H] of the previous one. The last stage returns the per-token loss [B, S] (fp32) when
     ``targets`` is given, else this rank's vocabulary slice of the logits; other stages return hidden states.
+    ``forward(x, cache=cache)`` decodes: ``x`` holds the positions after the cached ones (:meth:`_decode`).
 
     ``rng_tracker`` gives dropout on TP-sharded activations its per-rank RNG stream (:mod:`.random`).
     ``activation_checkpointing`` selects recomputation (module docstring); ``checkpoint_stats`` then counts
@@ -257,17 +277,21 @@ class GPT(nn.Module):
     def padded_vocab_size(self) -> int:
         return self.wte.padded_vocab_size
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Token + position embeddings: [B, S] -> [B, S, H]."""
-        seq_len = ids.shape[1]
-        if seq_len > self.cfg.seq_len:
-            raise ValueError(f"sequence of {seq_len} tokens exceeds --seq-len {self.cfg.seq_len}")
+    def embed(self, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Token + position embeddings of positions [start, start + S): [B, S] -> [B, S, H]."""
+        end = start + ids.shape[1]
+        if end > self.cfg.seq_len:
+            raise ValueError(f"sequence of {end} tokens exceeds --seq-len {self.cfg.seq_len}")
         tokens = self.wte(ids)  # [B, S, H], or this rank's chunk [B, S/tp, H] with SP
-        start = self.tp_rank * tokens.shape[1] if self.sequence_parallel else 0
+        if self.sequence_parallel:
+            start += self.tp_rank * tokens.shape[1]
         pos = self.wpe.weight[start: start + tokens.shape[1]]  # [S, H] (or [S/tp, H])
         return self.drop(tokens + pos)
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        if cache is not None:
+            return self._decode(x, cache)
         if self.pre_process:
             x = self.embed(x)  # [B, S, H]
         for block in self.blocks.values():
@@ -284,10 +308,37 @@ class GPT(nn.Module):
         return vocab_parallel_cross_entropy(logits, targets, self.tp_group, self.wte.vocab_start,
                                             inplace_backward=True)  # [B, S]
 
+    def _decode(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """The forward of the new positions after ``cache``'s: each block appends its keys and values to its
+        layer's slot. Positions start at the length of this chunk's first layer's slot, so every pipeline
+        chunk agrees without being told. Returns this rank's vocabulary slice of the logits on the last stage,
+        else the hidden states. Blocks run eagerly (compiled ones are specialised to the training shape), and
+        with the sequence whole on every TP rank: a step's few new positions cannot be split over them."""
+        start = cache.layer(self.layers[0]).length
+        with torch.compiler.set_stance("force_eager"), self._sequence_parallel_off():
+            if self.pre_process:
+                x = self.embed(x, start)  # [B, S, H]
+            for i, block in self.blocks.items():
+                x = block(x, cache.layer(int(i)))
+            return self.wte.logits(self.ln_f(x)) if self.post_process else x  # [B, S, V/tp] or [B, S, H]
+
+    @contextmanager
+    def _sequence_parallel_off(self) -> Iterator[None]:
+        """Every layer all-reduces over TP instead of splitting the sequence, on the same weights (restored)."""
+        layers = [m for m in self.modules() if getattr(m, "sequence_parallel", False)]
+        for m in layers:
+            m.sequence_parallel = False
+        try:
+            yield
+        finally:
+            for m in layers:
+                m.sequence_parallel = True
+
     @torch.no_grad()
-    def full_logits(self, ids: torch.Tensor) -> torch.Tensor:
-        """Unsharded, unpadded logits [B, S, vocab_size] (single-stage models; for evaluation and tests)."""
-        logits = gather_from_tp_region(self(ids), self.tp_group)
+    def full_logits(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Unsharded, unpadded logits [B, S, vocab_size] of the last stage (``x``: token ids, or the previous
+        stage's hidden states; ``cache``: decode, as in :meth:`forward`); for generation, evaluation and tests."""
+        logits = gather_from_tp_region(self(x, cache=cache), self.tp_group)
         return logits[..., : self.cfg.vocab_size]
 
 
