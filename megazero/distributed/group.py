@@ -5,10 +5,10 @@ checks every tensor against the backend's device (NCCL serves CUDA tensors only)
 installed torch offers (``all_gather_single`` on newer releases, ``all_gather_into_tensor`` on older ones) and
 records the logical volume of each call in a :class:`~megazero.distributed.ledger.CommLedger`.
 
-On gloo two collectives take a faster road to the same result (figures in bench/README.md, "gloo's roads"): an
-in-place reduce-scatter runs as an all-reduce of the input, which leaves this rank's shard where it belongs and
-the rest of the input reduced too, so callers read only their own shard, as NCCL would leave the rest untouched;
-an all-gather runs as one broadcast per shard. The ledger still counts the logical reduce-scatter and
+On gloo two collectives take a faster road to the same result (figures in bench/README.md, "ZeRO 0-2 at the
+peak with the default buckets"): an in-place reduce-scatter runs as an all-reduce of the input, which leaves
+this rank's shard where it belongs and the rest of the input reduced too, so callers read only their own shard
+(NCCL would leave the rest untouched); an all-gather runs as one broadcast per shard. The ledger still counts the logical reduce-scatter and
 all-gather. NCCL always runs the collectives themselves.
 """
 
