@@ -1,25 +1,15 @@
 """Dry run: one real training step per rank role of any topology, on one CPU, with no GPU and no weights.
 
-``python pretrain/gpt.py --dry-run [any flags]`` runs :func:`dry_run`. For each distinct *rank role* (each
-pipeline stage, times whether the TP rank holds vocabulary padding) it starts torch's ``fake`` process-group
-backend as that rank of the full world (collectives return at once, nothing is sent), builds the real
-:class:`~megazero.train.engine.Engine` on the ``meta`` device (tensors with shapes and dtypes but no storage) and runs
-one full :meth:`~megazero.train.engine.Engine.train_step`: the same model, ZeRO optimizer, schedule, hooks and
-collectives as a real run. Then it tears the group down and moves to the next role.
+``python pretrain/gpt.py --dry-run [any flags]`` runs :func:`dry_run`. A *rank role* is a pipeline stage times
+whether the TP rank holds vocabulary padding; ranks of one role hold the same shapes and move the same volumes,
+so one step per role (:func:`megazero.plan.role.run_role`, on the meta device and torch's ``fake`` backend)
+measures the whole world. Under 1F1B and interleaved a role runs at two short micro-batch counts and its volumes
+are extrapolated (:mod:`megazero.plan.extrapolate`).
 
-The fake group is registered for the meta device only, so a CPU tensor that reaches a collective fails the dry
-run as it would fail under NCCL ("No backend type associated with device type cpu"). Values the code reads
-back to the host go through :mod:`megazero.distributed.device_io`, which the dry run switches to placeholders (and counts).
-
-Offload (``--offload-optimizer``, ``--offload-param``, ``cpu_checkpointing``) runs too: host memory is emulated on
-meta (:class:`~megazero.distributed.device_io.PlaceholderHost`), so offloaded states are reported as host bytes
-(``offloaded_bytes``) and stay out of the device peak, and each host-to-device copy is a new device tensor, as
-on a GPU.
-
-Per role it reports the model states at rest (measured on the live tensors, as metrics.jsonl), the peak by
-category (:class:`~megazero.observe.memory.PeakMemoryTracker`, the same tracker as metrics.jsonl), the ledger's volume
-per group, the pipeline bubble (:func:`~megazero.pipeline.schedules.simulate`) and a roofline step time
-(:mod:`megazero.plan.roofline`); then a verdict: fits, or which rank and category overflow.
+Per role the report gives the model states at rest, the peak by category (the same tracker as metrics.jsonl),
+the ledger's volume per group, the pipeline bubble (:func:`~megazero.pipeline.schedules.simulate`), the
+NCCL-order replay of the pipeline's point-to-point calls and a roofline step time (:mod:`megazero.plan.roofline`);
+then a verdict: fits, or which rank and category overflow.
 """
 
 from __future__ import annotations
