@@ -2,39 +2,8 @@
 line, and the DeepSpeed JSON adapter. Every other package receives a resolved :class:`Config` (or one of its
 sections); nothing here imports the runtime."""
 
-from megazero.config.errors import ConfigError, ConfigWarning
+from megazero.config import schema
 from megazero.config.resolve import resolve_config
-from megazero.config.schema import (
-    PRESETS,
-    ActivationCheckpointingConfig,
-    Config,
-    DataConfig,
-    LoggingConfig,
-    LossScaleConfig,
-    ModelConfig,
-    OptimizerConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    TrainingConfig,
-    ZeroConfig,
-    model_preset,
-)
+from megazero.config.schema import *  # noqa: F403 - the schema's public names are the package's
 
-__all__ = [
-    "PRESETS",
-    "ActivationCheckpointingConfig",
-    "Config",
-    "ConfigError",
-    "ConfigWarning",
-    "DataConfig",
-    "LoggingConfig",
-    "LossScaleConfig",
-    "ModelConfig",
-    "OptimizerConfig",
-    "ParallelConfig",
-    "SchedulerConfig",
-    "TrainingConfig",
-    "ZeroConfig",
-    "model_preset",
-    "resolve_config",
-]
+__all__ = [*schema.__all__, "resolve_config"]
