@@ -121,6 +121,13 @@ def _read_utf8(path: Path) -> str:
 
 
 def _json_documents(path: Path) -> Iterator[str]:
+    try:
+        yield from _json_lines(path)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"data file {str(path)!r} is not UTF-8 text ({e.reason})") from e
+
+
+def _json_lines(path: Path) -> Iterator[str]:
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():

@@ -3,14 +3,19 @@
 Documents are tokenised, each followed by the tokenizer's eos id, concatenated and cut into samples of
 ``seq_len + 1`` tokens with stride ``seq_len`` (consecutive samples share one boundary token, as in nanoGPT
 and Megatron): sample ``i`` is ``tokens[i*S : i*S + S + 1]``, its input is ``[:-1]`` and its target ``[1:]``.
+
+The tokenizer is either kind: a SentencePiece ``.model`` (:class:`Tokenizer`, the built-in one) or a Hugging
+Face ``tokenizer.json`` (:class:`HFTokenizer`); :func:`open_tokenizer` picks by path.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import os
 import tempfile
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,22 +25,29 @@ import torch
 from filelock import FileLock
 
 from megazero.data.corpus import corpus_fingerprint, expand_paths, read_text_documents, stdlib_corpus_files
+from megazero.data.hf_tokenizer import HF_TOKENIZER_FILE, HFTokenizer
 from megazero.data.tokenizer import Tokenizer, load_or_train_tokenizer
 
 __all__ = [
     "FORMAT_VERSION",
+    "AnyTokenizer",
     "TokenDataset",
     "build_datasets",
+    "check_vocab_size",
     "default_cache_dir",
     "open_token_file",
+    "open_tokenizer",
     "read_token_meta",
     "resolve_tokenizer",
     "token_dtype",
     "tokenize_documents",
+    "tokenizer_vocab_size",
     "write_token_file",
 ]
 
 FORMAT_VERSION = 1
+#: Either kind of tokenizer: both offer encode/encode_batch/decode, vocab_size, eos_id, fingerprint, model_path.
+AnyTokenizer = Tokenizer | HFTokenizer
 
 
 def default_cache_dir() -> Path:
@@ -84,27 +96,64 @@ class TokenDataset(torch.utils.data.Dataset):
         return f"TokenDataset(samples={len(self)}, seq_len={self.seq_len}, tokens={self.num_tokens})"
 
 
-def tokenize_documents(
-    documents: Iterable[str], tokenizer: Tokenizer, batch_size: int = 256, num_threads: int = 1
-) -> Iterator[np.ndarray]:
-    """Yield one int64 array per batch of documents: each document's ids followed by ``tokenizer.eos_id``."""
-    eos = tokenizer.eos_id
+def _pack(tokenizer: AnyTokenizer, batch: list[str], num_threads: int = 1) -> np.ndarray:
+    ids: list[int] = []
+    for doc_ids in tokenizer.encode_batch(batch, num_threads=num_threads):
+        ids.extend(doc_ids)
+        ids.append(tokenizer.eos_id)
+    return np.asarray(ids, dtype=np.int64)
+
+
+def _batches(documents: Iterable[str], batch_size: int) -> Iterator[list[str]]:
     batch: list[str] = []
-
-    def flush() -> np.ndarray:
-        ids: list[int] = []
-        for doc_ids in tokenizer.encode_batch(batch, num_threads=num_threads):
-            ids.extend(doc_ids)
-            ids.append(eos)
-        return np.asarray(ids, dtype=np.int64)
-
     for doc in documents:
         batch.append(doc)
         if len(batch) >= batch_size:
-            yield flush()
+            yield batch
             batch = []
     if batch:
-        yield flush()
+        yield batch
+
+
+_worker_tokenizer: AnyTokenizer | None = None  # set in each tokenising worker process by _init_worker
+
+
+def _init_worker(tokenizer: AnyTokenizer) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = tokenizer
+
+
+def _pack_in_worker(batch: list[str]) -> np.ndarray:
+    assert _worker_tokenizer is not None
+    return _pack(_worker_tokenizer, batch)
+
+
+def tokenize_documents(
+    documents: Iterable[str], tokenizer: AnyTokenizer, batch_size: int = 256, num_threads: int = 1,
+    workers: int = 1,
+) -> Iterator[np.ndarray]:
+    """Yield one int64 array per batch of documents: each document's ids followed by ``tokenizer.eos_id``.
+
+    ``workers > 1`` encodes the batches in that many processes (each with its own copy of the tokenizer),
+    at most ``2 * workers`` batches in flight, and yields them in input order: the same arrays as
+    ``workers=1``. ``num_threads`` is the tokenizer's own threading within a batch (one process).
+    """
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    if workers == 1:
+        for batch in _batches(documents, batch_size):
+            yield _pack(tokenizer, batch, num_threads)
+        return
+    methods = multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    with context.Pool(workers, initializer=_init_worker, initargs=(tokenizer,)) as pool:
+        pending: deque = deque()
+        for batch in _batches(documents, batch_size):
+            pending.append(pool.apply_async(_pack_in_worker, (batch,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
 
 
 def _prefix(path_prefix: str | os.PathLike[str]) -> Path:
@@ -201,7 +250,7 @@ def open_token_file(path_prefix: str | os.PathLike[str]) -> np.ndarray:
     return np.memmap(_with(_prefix(path_prefix), ".bin"), dtype=dtype, mode="r")
 
 
-def _check_bin_tokenizer(path: str, meta: dict[str, Any], tokenizer: Tokenizer) -> None:
+def _check_bin_tokenizer(path: str, meta: dict[str, Any], tokenizer: AnyTokenizer) -> None:
     if int(meta["vocab_size"]) != tokenizer.vocab_size:
         raise ValueError(
             f"{path} was tokenised with vocab_size {meta['vocab_size']} but the tokenizer has "
@@ -214,10 +263,18 @@ def _check_bin_tokenizer(path: str, meta: dict[str, Any], tokenizer: Tokenizer) 
             f"{fp[:16]}) than {tokenizer.model_path} ({tokenizer.fingerprint[:16]}); pass --tokenizer "
             f"{meta.get('tokenizer_model')} or re-run tools/preprocess_data.py"
         )
+    if meta.get("eos_id") is not None and int(meta["eos_id"]) != tokenizer.eos_id:
+        raise ValueError(
+            f"{path} separates documents with eos id {meta['eos_id']} but {tokenizer.model_path} has eos id "
+            f"{tokenizer.eos_id} (another tokenizer_config.json?); pass the tokenizer it was made with or re-run "
+            "tools/preprocess_data.py"
+        )
 
 
-def _cached_tokens(name: str, files: list[Path], tokenizer: Tokenizer, cache_dir: Path) -> np.ndarray:
+def _cached_tokens(name: str, files: list[Path], tokenizer: AnyTokenizer, cache_dir: Path) -> np.ndarray:
     key = f"{name}_{corpus_fingerprint(files)[:16]}_{tokenizer.fingerprint[:16]}"
+    if isinstance(tokenizer, HFTokenizer):  # the same tokenizer.json may come with another eos (its config)
+        key += f"_eos{tokenizer.eos_id}"
     prefix = cache_dir / "tokens" / key
     if not _with(prefix, ".json").is_file():
         prefix.parent.mkdir(parents=True, exist_ok=True)
@@ -232,7 +289,7 @@ def _cached_tokens(name: str, files: list[Path], tokenizer: Tokenizer, cache_dir
     return open_token_file(prefix)
 
 
-def _load_tokens(paths: Sequence[str | os.PathLike[str]], tokenizer: Tokenizer, cache_dir: Path) -> np.ndarray:
+def _load_tokens(paths: Sequence[str | os.PathLike[str]], tokenizer: AnyTokenizer, cache_dir: Path) -> np.ndarray:
     if not paths:
         return _cached_tokens("stdlib", stdlib_corpus_files(), tokenizer, cache_dir)
     bins = [str(p) for p in paths if str(p).endswith(".bin")]
@@ -251,7 +308,7 @@ def _load_tokens(paths: Sequence[str | os.PathLike[str]], tokenizer: Tokenizer, 
 
 
 def build_datasets(
-    paths: Sequence[str | os.PathLike[str]], tokenizer: Tokenizer, seq_len: int,
+    paths: Sequence[str | os.PathLike[str]], tokenizer: AnyTokenizer, seq_len: int,
     cache_dir: str | os.PathLike[str] | None = None, eval_fraction: float = 0.01,
 ) -> tuple[TokenDataset, TokenDataset | None]:
     """Train and eval datasets of packed ``seq_len + 1``-token samples.
@@ -287,18 +344,58 @@ def build_datasets(
     return train, evaluation
 
 
+def open_tokenizer(path: str | os.PathLike[str]) -> AnyTokenizer:
+    """The tokenizer at ``path``, of either kind.
+
+    A ``.json`` file is a Hugging Face ``tokenizer.json``; a directory is read through the ``tokenizer.json``
+    it holds (a Hugging Face model directory), else its ``tokenizer.model``; any other path is a SentencePiece
+    ``.model`` file, loaded exactly as before.
+
+    Raises:
+        ValueError: naming the path when it is missing or not a tokenizer of the kind it claims.
+    """
+    p = Path(path)
+    if p.is_dir():
+        if (p / HF_TOKENIZER_FILE).is_file():
+            return HFTokenizer(p / HF_TOKENIZER_FILE)
+        if (p / "tokenizer.model").is_file():
+            return Tokenizer.from_file(p / "tokenizer.model")
+        raise ValueError(f"tokenizer directory {str(p)!r} holds neither {HF_TOKENIZER_FILE} (Hugging Face) nor "
+                         "tokenizer.model (SentencePiece); pass --tokenizer FILE")
+    if p.suffix.lower() == ".json":
+        return HFTokenizer(p)
+    return Tokenizer.from_file(p)
+
+
+def tokenizer_vocab_size(path: str | os.PathLike[str]) -> int:
+    """Vocabulary size of the tokenizer at ``path`` (either kind, see :func:`open_tokenizer`): the model's
+    ``vocab_size`` when the tokenizer is given and ``--vocab-size`` is not."""
+    return open_tokenizer(path).vocab_size
+
+
+def check_vocab_size(tokenizer: AnyTokenizer, vocab_size: int | None) -> None:
+    """Refuse an explicit ``vocab_size`` that is not the tokenizer's, naming both numbers and the fix."""
+    if vocab_size is not None and vocab_size != tokenizer.vocab_size:
+        raise ValueError(
+            f"--vocab-size {vocab_size} does not match tokenizer {tokenizer.model_path} with {tokenizer.vocab_size} "
+            f"tokens; drop --vocab-size (the vocabulary size follows the tokenizer) or pass --vocab-size "
+            f"{tokenizer.vocab_size}"
+        )
+
+
 def resolve_tokenizer(
     paths: Sequence[str | os.PathLike[str]], vocab_size: int | None,
     cache_dir: str | os.PathLike[str] | None = None, tokenizer_model: str | os.PathLike[str] | None = None,
-) -> Tokenizer:
+) -> AnyTokenizer:
     """The tokenizer a run should use for ``paths``.
 
-    An explicit ``tokenizer_model`` wins; for ``.bin`` inputs the model recorded in the sidecar is used;
-    otherwise the cached BPE of ``vocab_size`` is loaded or trained on the text paths (the standard-library
-    corpus when ``paths`` is empty).
+    An explicit ``tokenizer_model`` wins (a SentencePiece ``.model``, a Hugging Face ``tokenizer.json`` or a
+    directory holding one, see :func:`open_tokenizer`); for ``.bin`` inputs the tokenizer recorded in the
+    sidecar is used; otherwise the cached BPE of ``vocab_size`` is loaded or trained on the text paths (the
+    standard-library corpus when ``paths`` is empty).
 
     Raises:
-        ValueError: if ``vocab_size`` contradicts the tokenizer, or no tokenizer can be determined.
+        ValueError: if ``vocab_size`` contradicts the tokenizer (naming both), or no tokenizer can be determined.
     """
     bins = [str(p) for p in paths if str(p).endswith(".bin")]
     if tokenizer_model is None and bins:
@@ -306,12 +403,8 @@ def resolve_tokenizer(
         if not tokenizer_model or not Path(tokenizer_model).is_file():
             raise ValueError(f"{bins[0]}: its tokenizer model {tokenizer_model!r} is not available; pass --tokenizer")
     if tokenizer_model is not None:
-        tok = Tokenizer.from_file(tokenizer_model)
-        if vocab_size is not None and vocab_size != tok.vocab_size:
-            raise ValueError(
-                f"--vocab-size {vocab_size} does not match tokenizer {tokenizer_model} with {tok.vocab_size} pieces; "
-                "drop --vocab-size or make them equal"
-            )
+        tok = open_tokenizer(tokenizer_model)
+        check_vocab_size(tok, vocab_size)
         return tok
     if vocab_size is None:
         raise ValueError("--vocab-size is required to train the built-in tokenizer (or pass --tokenizer MODEL)")
