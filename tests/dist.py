@@ -1,6 +1,6 @@
 """The one helper that starts gloo worlds on CPU for distributed tests.
 
-``run_world(fn, world_size, tp=.., pp=..)`` forks ``world_size`` processes, gives each a process group over
+``run_world(fn, world_size, tp=.., pp=.., cp=..)`` forks ``world_size`` processes, gives each a process group over
 gloo and its :class:`~megazero.distributed.context.ParallelContext`, calls ``fn(ctx, *args)`` on every rank and
 returns the list of per-rank results (they must pickle). A rank that raises makes ``run_world`` raise with
 that rank's traceback; a world that does not finish within ``timeout`` is killed and reported.
@@ -101,7 +101,7 @@ def _rank_main(rank: int, world_size: int, ports: mp.Queue, over: Any, grid_kwar
 
 
 def run_world(fn: Callable[..., Any], world_size: int, *args: Any, tp: int = 1, pp: int = 1,
-              dp: int | None = None, timeout: float = 180.0, dist_timeout: float = 120.0, cuda: bool = False,
+              dp: int | None = None, cp: int = 1, timeout: float = 180.0, dist_timeout: float = 120.0, cuda: bool = False,
               **kwargs: Any) -> list[Any]:
     """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` forked gloo ranks; return results by rank.
 
@@ -110,7 +110,7 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, tp: int = 1, 
     results: mp.Queue = ctx_mp.Queue()
     ports: mp.Queue = ctx_mp.Queue()  # rank 0's store port, bound to port 0 (no race), for the other ranks
     over = ctx_mp.Event()  # set when every rank has reported: rank 0 may close the store
-    grid_kwargs = {"tp_size": tp, "pp_size": pp, "dp_size": dp}
+    grid_kwargs = {"tp_size": tp, "pp_size": pp, "dp_size": dp, "cp_size": cp}
     procs = [
         ctx_mp.Process(target=_rank_main, args=(r, world_size, ports, over, grid_kwargs, dist_timeout, fn, args, kwargs,
                                                 results, cuda), daemon=True)

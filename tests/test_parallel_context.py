@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megazero.distributed.context import RankGrid, TopologyError
+from megazero.distributed.context import GROUP_KINDS, RankGrid, TopologyError
 from megazero.distributed.launch import _first_slurm_host, detect_env
 from megazero.distributed.ledger import CommLedger
 from tests.dist import WorldError, run_world
@@ -27,7 +27,59 @@ def test_grid_layout_tp_fastest_then_dp_then_pp():
     assert RankGrid(4, dp_size=4).embedding_groups() == [[0], [1], [2], [3]]
 
 
+# which coordinates vary inside a group of each kind (the others are shared by all its members)
+VARIES = {"tp": "t", "cp": "c", "dp": "d", "dp_cp": "dc", "pp": "p", "mp": "pt", "embedding": "p"}
+SHAPES = [(1, 4, 1, 1), (2, 2, 1, 1), (1, 2, 2, 1), (2, 2, 2, 2), (4, 2, 1, 2), (1, 2, 3, 2), (2, 1, 2, 2)]
+
+
+@pytest.mark.parametrize("tp, cp, dp, pp", SHAPES)
+def test_grid_with_cp_orders_tp_then_cp_then_dp_then_pp(tp, cp, dp, pp):
+    g = RankGrid(tp * cp * dp * pp, tp, pp, dp, cp_size=cp)
+    letters = "pdct"
+    for r in range(g.world_size):
+        p_, d, c, t = pos = g.position(r)
+        assert r == ((p_ * dp + d) * cp + c) * tp + t and g.rank_of(p_, d, t, c) == r
+        assert g.coords(r) == (p_, d, t)
+        for kind in GROUP_KINDS:  # the group of r: shared coordinates fixed, the varying ones all present
+            members = g.group_of(kind, r)
+            assert r in members and members == sorted(members)
+            for m in members:
+                assert all(a == b for a, b, k in zip(g.position(m), pos, letters) if k not in VARIES[kind]), kind
+            sizes = {"p": pp, "d": dp, "c": cp, "t": tp}
+            expect = 2 if kind == "embedding" and pp > 1 else 1 if kind == "embedding" else None
+            if expect is None:
+                expect = 1
+                for k in VARIES[kind]:
+                    expect *= sizes[k]
+            assert len(members) == expect, (kind, members)
+    for kind in GROUP_KINDS:  # every rank in exactly one group of each kind (pp <= 2: no middle stages)
+        groups = getattr(g, f"{kind}_groups")()
+        assert sorted(r for grp in groups for r in grp) == list(range(g.world_size)), kind
+    for grp in g.tp_groups():  # TP contiguous, and a TP x CP block too
+        assert grp == list(range(grp[0], grp[0] + tp))
+    for grp in g.cp_groups():
+        assert grp == list(range(grp[0], grp[0] + cp * tp, tp))
+    if cp == 1:  # the three-dimensional grid, unchanged
+        assert g.dp_cp_groups() == g.dp_groups() and g.cp_groups() == [[r] for r in range(g.world_size)]
+
+
+def test_grid_with_cp_concrete_layout():
+    g = RankGrid.from_world(16, tp_size=2, pp_size=2, cp_size=2)  # dp derived: 2
+    assert g.dp_size == 2 and g.position(5) == (0, 1, 0, 1) and g.position(6) == (0, 1, 1, 0)
+    assert g.tp_groups()[:2] == [[0, 1], [2, 3]]
+    assert g.cp_groups()[:2] == [[0, 2], [1, 3]]
+    assert g.dp_groups()[:2] == [[0, 4], [1, 5]]
+    assert g.dp_cp_groups()[0] == [0, 2, 4, 6]
+    assert g.pp_groups()[0] == [0, 8] and g.mp_groups()[0] == [0, 1, 8, 9]
+
+
 def test_grid_errors_name_the_fix():
+    with pytest.raises(TopologyError, match=r"world size 8 != tp \(2\) x cp \(3\) x pp \(2\) x dp \(1\)"):
+        RankGrid(8, 2, 2, 1, cp_size=3)
+    with pytest.raises(TopologyError, match=r"not divisible by tp \(2\) x cp \(3\)"):
+        RankGrid.from_world(8, tp_size=2, cp_size=3)
+    with pytest.raises(TopologyError, match="cp_size must be >= 1"):
+        RankGrid(8, 8, cp_size=0)
     with pytest.raises(TopologyError, match=r"world size 8 != tp \(2\) x pp \(2\) x dp \(3\)"):
         RankGrid(8, 2, 2, 3)
     with pytest.raises(TopologyError, match="not divisible by tp"):
@@ -63,7 +115,9 @@ def test_ledger_counts_logical_volume_per_step():
 def _groups_and_collectives(ctx):
     g = ctx.grid
     out = {"coords": (ctx.pp_rank, ctx.dp_rank, ctx.tp_rank)}
-    for kind in ("tp", "dp", "pp", "mp", "embedding"):
+    assert (ctx.pp_rank, ctx.dp_rank, ctx.cp_rank, ctx.tp_rank) == g.position(ctx.rank)
+    assert ctx.coords()["cp_rank"] == ctx.cp_rank and ctx.cp_enabled == (g.cp_size > 1)
+    for kind in GROUP_KINDS:
         grp = getattr(ctx, f"{kind}_group")
         assert grp.ranks == g.group_of(kind, ctx.rank) and grp.ranks[grp.rank] == ctx.rank
     x = torch.full((3,), float(ctx.rank))
@@ -97,6 +151,27 @@ def test_live_groups_and_collectives_in_an_8_rank_world():
         assert out["pp_bcast"] == float(grid.group_of("pp", r)[0])
         # all-reduce of 3 counts 6; reduce-scatter counts its input (4); the tp gather is not DP traffic
         assert out["dp_volume"] == 2 * 3 + 4
+
+
+def _cp_groups_and_collectives(ctx):
+    out = _groups_and_collectives(ctx)
+    for kind in ("cp", "dp_cp"):
+        x = torch.full((2,), float(ctx.rank))
+        getattr(ctx, f"{kind}_group").all_reduce(x)
+        out[f"{kind}_sum"] = x[0].item()
+    out["names"] = (ctx.cp_group.name, ctx.dp_cp_group.name, ctx.dp_cp_group is ctx.dp_group)
+    return out
+
+
+def test_live_cp_groups_in_a_cp2_dp2_world():
+    res = run_world(_cp_groups_and_collectives, 4, cp=2)
+    grid = RankGrid(4, dp_size=2, cp_size=2)
+    for r, out in enumerate(res):
+        assert out["coords"] == grid.coords(r)
+        assert out["cp_sum"] == sum(grid.group_of("cp", r)) and out["dp_sum"] == sum(grid.group_of("dp", r))
+        assert out["dp_cp_sum"] == 0 + 1 + 2 + 3
+        assert out["names"] == ("cp", "dp_cp", False)
+        assert out["dp_volume"] == 2 * 3 + 4  # the dp group's traffic, not the cp or dp_cp groups'
 
 
 def _fails_on_rank_one(ctx):

@@ -1,22 +1,29 @@
-"""The (pp, dp, tp) rank grid and the process groups built on it.
+"""The (pp, dp, cp, tp) rank grid and the process groups built on it.
 
-Ranks are laid out with TP fastest-varying, then DP, then PP::
+Ranks are laid out as Megatron-Core orders them: TP fastest-varying, then CP (context parallel), then DP, then
+PP::
 
-    rank = pp_rank * (dp_size * tp_size) + dp_rank * tp_size + tp_rank
+    rank = ((pp_rank * dp_size + dp_rank) * cp_size + cp_rank) * tp_size + tp_rank
 
-so a TP group is a run of consecutive ranks (inside one node when ``tp_size`` divides the GPUs per node), and
-each pipeline stage is a contiguous block of ``dp_size * tp_size`` ranks.
+so a TP group is a run of consecutive ranks (inside one node when ``tp_size`` divides the GPUs per node), a
+TP x CP block is contiguous too (the ring traffic of context parallelism stays in a node where it fits), and
+each pipeline stage is a contiguous block of ``dp_size * cp_size * tp_size`` ranks. With ``cp_size = 1`` (the
+default) every rank, group and coordinate is the one of the three-dimensional grid.
 
 :class:`RankGrid` is pure arithmetic (no backend) and is unit-tested on its own. :class:`ParallelContext`
-adds the live :class:`~megazero.distributed.group.Group` objects for this rank: ``tp``, ``dp``, ``pp``,
-model-parallel ``mp`` (tp x pp) and ``embedding`` (first and last pipeline stage at the same tp/dp
-coordinates, the two holders of the tied word embedding).
+adds the live :class:`~megazero.distributed.group.Group` objects for this rank: ``tp``, ``cp`` (same tp, dp and
+pp coordinates: the ranks that split one sample's sequence), ``dp``, ``dp_cp`` (same tp and pp: the ranks that
+hold the same weights, over which ZeRO shards when CP is on), ``pp``, model-parallel ``mp`` (tp x pp, one per
+dp and cp coordinate) and ``embedding`` (first and last pipeline stage at the same tp/cp/dp coordinates, the
+two holders of the tied word embedding). With ``cp_size = 1`` the ``dp_cp`` group is the ``dp`` group itself
+(the same object, so no second communicator and the ledger keeps naming it "dp").
 """
 
 from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -24,92 +31,143 @@ import torch.distributed as dist
 from megazero.distributed.group import Group, backend_device
 from megazero.distributed.ledger import CommLedger
 
-__all__ = ["ParallelContext", "RankGrid", "TopologyError"]
+__all__ = ["GridPosition", "ParallelContext", "RankGrid", "TopologyError"]
 
 
 class TopologyError(ValueError):
     """A world size and parallel sizes that do not fit together."""
 
 
+class GridPosition(NamedTuple):
+    """All four coordinates of a rank (:meth:`RankGrid.position`)."""
+
+    pp_rank: int
+    dp_rank: int
+    cp_rank: int
+    tp_rank: int
+
+
 @dataclass(frozen=True)
 class RankGrid:
-    """Rank arithmetic for a world of ``pp_size * dp_size * tp_size`` ranks."""
+    """Rank arithmetic for a world of ``pp_size * dp_size * cp_size * tp_size`` ranks.
+
+    ``cp_size`` comes last among the fields so that the positional form ``RankGrid(world, tp, pp, dp)`` of the
+    three-dimensional grid keeps its meaning.
+    """
 
     world_size: int
     tp_size: int = 1
     pp_size: int = 1
     dp_size: int = 1
+    cp_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp_size", "pp_size", "dp_size", "world_size"):
+        for name in ("tp_size", "pp_size", "dp_size", "cp_size", "world_size"):
             if getattr(self, name) < 1:
                 raise TopologyError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.tp_size * self.pp_size * self.dp_size != self.world_size:
+        product = self.tp_size * self.cp_size * self.pp_size * self.dp_size
+        if product != self.world_size:
+            cp = f" x cp ({self.cp_size})" if self.cp_size > 1 else ""
             raise TopologyError(
-                f"world size {self.world_size} != tp ({self.tp_size}) x pp ({self.pp_size}) x dp ({self.dp_size})"
-                f" = {self.tp_size * self.pp_size * self.dp_size}; launch {self.tp_size * self.pp_size * self.dp_size}"
-                " processes or change --tp/--pp/--dp (dp defaults to world_size / (tp x pp))"
+                f"world size {self.world_size} != tp ({self.tp_size}){cp} x pp ({self.pp_size}) x dp ({self.dp_size})"
+                f" = {product}; launch {product} processes or change --tp/--cp/--pp/--dp"
+                " (dp defaults to world_size / (tp x cp x pp))"
             )
 
     @classmethod
-    def from_world(cls, world_size: int, tp_size: int = 1, pp_size: int = 1, dp_size: int | None = None) -> RankGrid:
-        """Build the grid, deriving ``dp_size = world_size / (tp * pp)`` when it is not given."""
+    def from_world(cls, world_size: int, tp_size: int = 1, pp_size: int = 1, dp_size: int | None = None,
+                   cp_size: int = 1) -> RankGrid:
+        """Build the grid, deriving ``dp_size = world_size / (tp * cp * pp)`` when it is not given."""
         if dp_size is None:
-            if tp_size < 1 or pp_size < 1 or world_size % (tp_size * pp_size):
+            model = tp_size * cp_size * pp_size
+            if min(tp_size, cp_size, pp_size) < 1 or world_size % model:
+                cp = f" x cp ({cp_size})" if cp_size != 1 else ""
                 raise TopologyError(
-                    f"world size {world_size} is not divisible by tp ({tp_size}) x pp ({pp_size});"
-                    " launch a multiple of tp x pp processes or change --tp/--pp"
+                    f"world size {world_size} is not divisible by tp ({tp_size}){cp} x pp ({pp_size});"
+                    " launch a multiple of tp x cp x pp processes or change --tp/--cp/--pp"
                 )
-            dp_size = world_size // (tp_size * pp_size)
-        return cls(world_size=world_size, tp_size=tp_size, pp_size=pp_size, dp_size=dp_size)
+            dp_size = world_size // model
+        return cls(world_size=world_size, tp_size=tp_size, pp_size=pp_size, dp_size=dp_size, cp_size=cp_size)
 
     # -- coordinates -----------------------------------------------------------------------------------
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """``(pp_rank, dp_rank, tp_rank)`` of a global rank."""
+    def position(self, rank: int) -> GridPosition:
+        """``(pp_rank, dp_rank, cp_rank, tp_rank)`` of a global rank."""
         if not 0 <= rank < self.world_size:
             raise TopologyError(f"rank {rank} outside world of {self.world_size}")
-        tp_rank = rank % self.tp_size
-        dp_rank = (rank // self.tp_size) % self.dp_size
-        pp_rank = rank // (self.tp_size * self.dp_size)
+        rest, tp_rank = divmod(rank, self.tp_size)
+        rest, cp_rank = divmod(rest, self.cp_size)
+        pp_rank, dp_rank = divmod(rest, self.dp_size)
+        return GridPosition(pp_rank, dp_rank, cp_rank, tp_rank)
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """``(pp_rank, dp_rank, tp_rank)`` of a global rank: :meth:`position` without the CP coordinate, the
+        triple that callers written for the three-dimensional grid (and checkpoints) read."""
+        pp_rank, dp_rank, _cp_rank, tp_rank = self.position(rank)
         return pp_rank, dp_rank, tp_rank
 
-    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
-        return pp_rank * self.dp_size * self.tp_size + dp_rank * self.tp_size + tp_rank
+    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int = 0) -> int:
+        return ((pp_rank * self.dp_size + dp_rank) * self.cp_size + cp_rank) * self.tp_size + tp_rank
+
+    def _ranks(self, keep: str, vary: str) -> list[list[int]]:
+        """Every group whose members share the coordinates not in ``vary`` (letters p, d, c, t), each a sorted
+        list of global ranks; groups listed in rank order of their fixed coordinates (``keep`` order)."""
+        sizes = {"p": self.pp_size, "d": self.dp_size, "c": self.cp_size, "t": self.tp_size}
+        groups = []
+        for fixed in _product([sizes[a] for a in keep]):
+            at = dict(zip(keep, fixed))
+            members = []
+            for varied in _product([sizes[a] for a in vary]):
+                at.update(zip(vary, varied))
+                members.append(self.rank_of(at["p"], at["d"], at["t"], at["c"]))
+            groups.append(sorted(members))
+        return groups
 
     # -- groups (every group of a kind, each a sorted list of global ranks) -----------------------------
     def tp_groups(self) -> list[list[int]]:
-        return [[self.rank_of(p, d, t) for t in range(self.tp_size)]
-                for p in range(self.pp_size) for d in range(self.dp_size)]
+        return self._ranks("pdc", "t")
+
+    def cp_groups(self) -> list[list[int]]:
+        """The ranks that split one sample's sequence: equal tp, dp and pp coordinates."""
+        return self._ranks("pdt", "c")
 
     def dp_groups(self) -> list[list[int]]:
-        return [[self.rank_of(p, d, t) for d in range(self.dp_size)]
-                for p in range(self.pp_size) for t in range(self.tp_size)]
+        return self._ranks("pct", "d")
+
+    def dp_cp_groups(self) -> list[list[int]]:
+        """Equal tp and pp coordinates: the dp x cp ranks that hold the same weights (ZeRO's group under CP)."""
+        return self._ranks("pt", "dc")
 
     def pp_groups(self) -> list[list[int]]:
-        return [[self.rank_of(p, d, t) for p in range(self.pp_size)]
-                for d in range(self.dp_size) for t in range(self.tp_size)]
+        return self._ranks("dct", "p")
 
     def mp_groups(self) -> list[list[int]]:
-        """Model-parallel groups: all tp x pp ranks holding one model replica."""
-        return [sorted(self.rank_of(p, d, t) for p in range(self.pp_size) for t in range(self.tp_size))
-                for d in range(self.dp_size)]
+        """Model-parallel groups: all tp x pp ranks holding one model replica (one per dp and cp coordinate)."""
+        return self._ranks("dc", "pt")
 
     def embedding_groups(self) -> list[list[int]]:
-        """First and last pipeline stage at equal (dp, tp): the two copies of the tied embedding (middle stages
-        are in no embedding group)."""
+        """First and last pipeline stage at equal (dp, cp, tp): the two copies of the tied embedding (middle
+        stages are in no embedding group)."""
         last = self.pp_size - 1
-        return [sorted({self.rank_of(0, d, t), self.rank_of(last, d, t)})
-                for d in range(self.dp_size) for t in range(self.tp_size)]
+        return [sorted({self.rank_of(0, d, t, c), self.rank_of(last, d, t, c)})
+                for d, c, t in _product([self.dp_size, self.cp_size, self.tp_size])]
 
     def group_of(self, kind: str, rank: int) -> list[int]:
-        """The ranks of the ``kind`` group ("tp", "dp", "pp", "mp", "embedding") that contains ``rank``."""
+        """The ranks of the ``kind`` group (one of :data:`GROUP_KINDS`) that contains ``rank``."""
         for ranks in getattr(self, f"{kind}_groups")():
             if rank in ranks:
                 return ranks
         raise TopologyError(f"rank {rank} is in no {kind} group")  # pragma: no cover - grid covers all
 
 
-GROUP_KINDS = ("tp", "dp", "pp", "mp", "embedding")
+def _product(sizes: list[int]) -> list[tuple[int, ...]]:
+    """Every index tuple of a grid with these sizes, the last index fastest."""
+    out: list[tuple[int, ...]] = [()]
+    for n in sizes:
+        out = [t + (i,) for t in out for i in range(n)]
+    return out
+
+
+GROUP_KINDS = ("tp", "cp", "dp", "dp_cp", "pp", "mp", "embedding")
 
 
 class ParallelContext:
@@ -124,9 +182,11 @@ class ParallelContext:
         self.grid = grid
         self.rank = rank
         self.ledger = ledger
-        self.pp_rank, self.dp_rank, self.tp_rank = grid.coords(rank)
+        self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank = grid.position(rank)
         self.tp_group = groups["tp"]
+        self.cp_group = groups["cp"]
         self.dp_group = groups["dp"]
+        self.dp_cp_group = groups["dp_cp"]
         self.pp_group = groups["pp"]
         self.mp_group = groups["mp"]
         self.embedding_group: Group | None = groups.get("embedding")  # None on middle pipeline stages
@@ -148,8 +208,8 @@ class ParallelContext:
             raise RuntimeError("torch.distributed is not initialised; call megazero.distributed.init_distributed()")
         if dist.get_world_size() != grid.world_size:
             raise TopologyError(
-                f"launched {dist.get_world_size()} processes but tp x pp x dp = {grid.world_size}; "
-                "set --tp/--pp/--dp so that their product equals the number of processes"
+                f"launched {dist.get_world_size()} processes but tp x cp x pp x dp = {grid.world_size}; "
+                "set --tp/--cp/--pp/--dp so that their product equals the number of processes"
             )
         rank = dist.get_rank()
         timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
@@ -157,6 +217,9 @@ class ParallelContext:
         device = torch.device(device) if device is not None else backend_device()
         groups: dict[str, Group] = {}
         for kind in GROUP_KINDS:
+            if kind == "dp_cp" and grid.cp_size == 1:
+                groups[kind] = groups["dp"]  # the same ranks: one communicator, one ledger name
+                continue
             seen: set[tuple[int, ...]] = set()
             for ranks in getattr(grid, f"{kind}_groups")():
                 key = tuple(ranks)
@@ -184,6 +247,10 @@ class ParallelContext:
         return self.grid.dp_size
 
     @property
+    def cp_size(self) -> int:
+        return self.grid.cp_size
+
+    @property
     def world_size(self) -> int:
         return self.grid.world_size
 
@@ -196,6 +263,11 @@ class ParallelContext:
     def pp_enabled(self) -> bool:
         """Whether the layers are split over pipeline stages (pp > 1)."""
         return self.grid.pp_size > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        """Whether each sample's sequence is split over a CP group (cp > 1)."""
+        return self.grid.cp_size > 1
 
     @property
     def dp_enabled(self) -> bool:
@@ -211,9 +283,10 @@ class ParallelContext:
         return self.pp_rank == self.grid.pp_size - 1
 
     def coords(self) -> dict[str, int]:
-        return {"rank": self.rank, "tp_rank": self.tp_rank, "pp_rank": self.pp_rank, "dp_rank": self.dp_rank}
+        return {"rank": self.rank, "tp_rank": self.tp_rank, "cp_rank": self.cp_rank, "pp_rank": self.pp_rank,
+                "dp_rank": self.dp_rank}
 
     def __repr__(self) -> str:
         g = self.grid
         return (f"ParallelContext(rank={self.rank}/{g.world_size}, tp={self.tp_rank}/{g.tp_size}, "
-                f"pp={self.pp_rank}/{g.pp_size}, dp={self.dp_rank}/{g.dp_size})")
+                f"cp={self.cp_rank}/{g.cp_size}, pp={self.pp_rank}/{g.pp_size}, dp={self.dp_rank}/{g.dp_size})")
