@@ -2,10 +2,9 @@
 
 from megazero.zero.bucketed import FlatLayout, ShardedState, build_buckets, sharded_state
 from megazero.zero.loss_scaler import DynamicLossScaler, LossScaleError, StaticLossScaler, make_loss_scaler
-from megazero.zero.optimizer import PRECISION_DTYPES, StepStats, ZeroOptimizer, grad_norm_weights
+from megazero.zero.optimizer import StepStats, ZeroOptimizer, grad_norm_weights
 
 __all__ = [
-    "PRECISION_DTYPES",
     "DynamicLossScaler",
     "FlatLayout",
     "LossScaleError",

@@ -1,7 +1,7 @@
 """Adam/AdamW on a flat ZeRO partition: torch's fused kernel over runs of decayed and undecayed elements.
 
 Used by :class:`~megazero.zero.optimizer.ZeroOptimizer` for its owned partition (on the device, or on the host
-in chunks under offload); the arithmetic is ``torch.optim.Adam``/``AdamW``'s single-tensor update.
+in chunks under offload, :mod:`.offload`); the arithmetic is ``torch.optim.Adam``/``AdamW``'s single-tensor update.
 """
 
 from __future__ import annotations
@@ -13,7 +13,11 @@ import torch
 from megazero.config.schema import OptimizerConfig
 from megazero.zero.grads import OwnedGrads, split_runs
 
-__all__ = ["adam_update"]
+__all__ = ["ADAM_CHUNK", "adam_update"]
+
+# Elements per update where a separate fp32 master is updated: 16-bit gradients are converted to fp32 one
+# chunk at a time, and under offload each updated chunk is copied back while the next is computed.
+ADAM_CHUNK = 1 << 23
 
 
 def adam_update(p: torch.Tensor, g: OwnedGrads, lr: float, lo: int, hi: int, *, cfg: OptimizerConfig, step: int,

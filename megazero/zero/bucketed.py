@@ -397,6 +397,10 @@ class BucketedParams:
             out[p] = t.view(p.shape)
         return out
 
+    def layouts(self) -> list[tuple[list[nn.Parameter], FlatLayout, int]]:
+        """``(parameters, layout, rank)`` of each owned segment, in the order of :attr:`segments`."""
+        return [(ps, lay, self.rank) for _, ps, lay in self.buckets]
+
     def padded_numel(self) -> dict[str, int]:
         """Elements laid out: ``whole`` (parameters kept whole, all buckets with padding) and ``gathered`` (0)."""
         return {"whole": self.numel, "gathered": 0}

@@ -176,9 +176,10 @@ class OwnedSegment:
     """This rank's contiguous share of one flat buffer: what the optimizer updates.
 
     ``param`` holds the model-dtype values (a view into a live buffer, written back after each step), ``grad``
-    the reduced gradient in the model dtype (valid after the reduction), ``pieces`` the ``(parameter, start,
-    end)`` runs of each parameter's elements inside the segment, ``init`` the fp32 starting values for a
-    mixed-precision master copy (dropped once the optimizer has taken them).
+    the reduced gradient in the store's ``grad_dtype`` (valid after the reduction), ``pieces`` the
+    ``(parameter, start, end)`` runs of each parameter's elements inside the segment, ``init`` the fp32
+    starting values for a mixed-precision master copy (dropped once :class:`~megazero.zero.state.OwnedState`
+    has taken them).
     """
 
     param: torch.Tensor

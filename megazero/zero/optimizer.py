@@ -30,20 +30,12 @@ once. Stages 0-1 reduce during the last micro-batch's backward when :meth:`ZeroO
 number of micro-batches, else at the step.
 ``contiguous_gradients`` is always in effect: owned gradients live in one contiguous buffer.
 
-Precision: ``fp32`` trains the parameters directly (a parameter is its own master copy, so
-``master_params_bytes`` is 0 and the optimizer keeps 8 bytes of Adam moments per owned element); ``bf16`` and
-``fp16`` keep the model's parameters and gradients in 16 bits and an fp32 master copy plus the two fp32
-moments of this rank's partition only (K = 12 bytes per owned element; stage 0 owns everything). fp16 scales
-the loss (:mod:`.loss_scaler`): an overflow anywhere, agreed over the DP and model-parallel groups through the
-gradient norm, skips the step and leaves the master weights untouched.
+The optimizer owns the step; the rest is delegated by role: where parameters and gradients live and the hooks
+that reduce them (:mod:`.store`), the fp32 master and Adam moments and their checkpoint form (:mod:`.state`),
+ZeRO-Offload's host side (:mod:`.offload`) and the memory accounting (:mod:`.accounting`).
 
-Offload (ZeRO-Offload, ``offload_optimizer: {device: cpu}``, stages 1-3): the fp32 master partition and the
-Adam moments live in host memory (pinned with ``pin_memory`` when a GPU is present); each step copies this
-rank's reduced gradient partition to the host, runs Adam there in chunks, and copies each updated chunk back to
-the device parameters while the next chunk is computed (the copies are asynchronous from pinned memory). In
-fp32 the device parameters then need a separate host master copy. ``offload_param: {device: cpu}`` (stage 3)
-keeps the parameter shards in host memory too; :mod:`.stage3` moves a shard to the device just before its
-all-gather. ``model_state_bytes()["offloaded_bytes"]`` says how much of the model states lives on the host.
+fp16 scales the loss (:mod:`.loss_scaler`): an overflow anywhere, agreed over the DP and model-parallel groups
+through the gradient norm, skips the step and leaves the master weights untouched.
 
 Clipping uses the global norm of the unpartitioned gradient: squares are summed over this rank's partition,
 then over ``dp_group`` (stages 1-3; stage 0 holds the full reduced gradient) and over ``norm_group`` (the
@@ -57,23 +49,25 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from megazero.config.precision import PRECISION_DTYPES
 from megazero.config.schema import LossScaleConfig, OptimizerConfig, ZeroConfig
 from megazero.distributed import device_io
 from megazero.distributed.group import Group
-from megazero.zero.adam import adam_update
-from megazero.zero.bucketed import BucketedParams, sharded_state, storage_bytes
+from megazero.zero import accounting
+from megazero.zero.adam import ADAM_CHUNK, adam_update
+from megazero.zero.bucketed import BucketedParams, sharded_state
 from megazero.zero.grads import OwnedGrads, grad_dtype_for
 from megazero.zero.loss_scaler import make_loss_scaler
+from megazero.zero.offload import HostOffload
+from megazero.zero.state import OwnedRun, OwnedState
+from megazero.zero.store import build_store, claim, gathered
 
-__all__ = ["PRECISION_DTYPES", "NonFiniteGradientError", "StepStats", "ZeroOptimizer", "grad_norm_weights"]
-
-PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+__all__ = ["NonFiniteGradientError", "StepStats", "ZeroOptimizer", "grad_norm_weights"]
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -98,20 +92,6 @@ def grad_norm_weights(model: nn.Module, tp_rank: int) -> dict[nn.Parameter, bool
     the squares over the model-parallel group then gives exactly the unsharded model's norm.
     """
     return {p: p.shard_spec.partition_dim is not None or tp_rank == 0 for p in model.parameters()}
-
-
-def _runs(segments, starts: list[int], keep) -> list[tuple[int, int]]:
-    """Merged ``[start, end)`` runs (in owned coordinates) of the pieces whose parameter satisfies ``keep``."""
-    runs: list[list[int]] = []
-    for seg, base in zip(segments, starts):
-        for p, a, b in seg.pieces:
-            if not keep(p):
-                continue
-            if runs and runs[-1][1] == base + a and a > 0:  # within one segment
-                runs[-1][1] = base + b
-            else:
-                runs.append([base + a, base + b])
-    return [(a, b) for a, b in runs]
 
 
 class ZeroOptimizer:
@@ -158,91 +138,56 @@ class ZeroOptimizer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters")
-        if any(getattr(p, "_zero_wrapped", False) for p in self.params):
-            raise ValueError("this model is already wrapped by a ZeroOptimizer (its gradient hooks and flat "
-                             "buffers belong to it); build a fresh model for a new optimizer")
-        for p in self.params:
-            p._zero_wrapped = True
+        claim(self.params)
         self.norm_counted = norm_counted or {p: True for p in self.params}
         self.grad_dtype = grad_dtype_for(precision, zero_cfg.grad_dtype)
-        # the model chunks of an interleaved pipeline: a backward reduces only the chunk that ran
-        chunks = [[p for p in c.parameters() if p.requires_grad] for c in model] \
-            if isinstance(model, nn.ModuleList) else None
-        bucket = zero_cfg.bucket_numel(sum(p.numel() for p in self.params), dp_group.size)
-        if (zero_cfg.reduce_bucket_size is None and tied_group is not None and tied_group.size > 1
-                and tied_group.device.type != "meta"):  # the dry run (meta) keeps its own: nothing to read back
-            agreed = torch.tensor([bucket], dtype=torch.int64, device=tied_group.device)
-            tied_group.all_reduce(agreed, op="min", tag="other")  # the tied copies' stages hold different Ψ
-            bucket = int(device_io.read(agreed)[0])
-        if zero_cfg.stage == 3:
-            from megazero.zero.stage3.params import Stage3Params
-
-            self.store = Stage3Params(model, self.dtype, dp_group, replace(zero_cfg, reduce_bucket_size=bucket),
-                                      align=align, isolate=tied_params,
-                                      offload_param=zero_cfg.offload_param == "cpu", param_init=param_init,
-                                      device=device, grad_dtype=self.grad_dtype)
-        else:
-            self.store = BucketedParams(
-                self.params, self.dtype, dp_group, shard_optimizer=self.sharded.optimizer_states,
-                shard_gradients=self.sharded.gradients, bucket_numel=bucket, align=align,
-                overlap_comm=zero_cfg.overlap_comm, reduce_scatter=zero_cfg.reduce_scatter, isolate=tied_params,
-                grad_dtype=self.grad_dtype, max_inflight=zero_cfg.max_inflight_buckets, groups=chunks,
-                param_init=param_init, device=device)
+        self.store = build_store(model, self.params, zero_cfg, self.dtype, self.grad_dtype, dp_group, align=align,
+                                 tied_params=tied_params, tied_group=tied_group, param_init=param_init,
+                                 device=device)
         # Segments of a parameter with a copy elsewhere (the tied embedding on the first and last pipeline
         # stage). Each copy is partitioned on its own, so both hold the same elements here and their reduced
         # gradients can be summed over ``tied_group`` before the update.
         self.tied_group = tied_group
         self._tied_segments = [seg for seg in self.store.segments
                                if any(any(p is t for t in tied_params) for p, _, _ in seg.pieces)]
-        for p in model.parameters():  # frozen parameters just follow the compute dtype
-            if not p.requires_grad and p.is_floating_point():
-                p.data = p.data.to(self.dtype)
         self._comm_device = dp_group.device  # where the norm collectives run (the device even under offload)
         self._grads: OwnedGrads | None = None  # this step's owned gradients, prepare_step -> finish_step
-        self._host_grads: torch.Tensor | None = None  # offload: the fp32 host copy, allocated once
-        self._init_partition()
+        self.offload = zero_cfg.offload_optimizer == "cpu"
+        pin = zero_cfg.offload_optimizer_pin_memory and torch.cuda.is_available()
+        self.host = HostOffload(pin) if self.offload else None
+        self.mixed = self.dtype != torch.float32
+        # this rank's partition: a separate fp32 master under mixed precision, and under offload (on the host)
+        self.state = OwnedState(self.store, separate_master=self.mixed or self.offload, host=self.host)
+        self._decay_runs = self.state.runs(lambda p: p.ndim >= 2)  # runs never span two segments
+        self._norm_runs = self.state.runs(lambda p: self.norm_counted.get(p, True))
         self.scaler = make_loss_scaler(precision, loss_scale_cfg)
         self.step_count = 0
         self.skipped_steps = 0  # steps skipped for a non-finite gradient norm (fp16 overflows included)
         self.consecutive_skips = 0  # of them, in a row up to the last step (non-finite norm without scaler)
 
-    # -- this rank's partition ---------------------------------------------------------------------------
-    def _init_partition(self) -> None:
-        segs = self.store.segments
-        self._starts = [0]
-        for s in segs:
-            self._starts.append(self._starts[-1] + s.param.numel())
-        self.owned_numel = self._starts[-1]
-        self.offload = self.cfg.offload_optimizer == "cpu"
-        self._pin = self.offload and self.cfg.offload_optimizer_pin_memory and torch.cuda.is_available()
-        device = segs[0].param.device
+    # -- the state's buffers, read by the memory tracker, benchmarks and tests -----------------------------------
+    @property
+    def master(self) -> torch.Tensor | None:
+        """The fp32 master partition (None where the parameters are their own master)."""
+        return self.state.master
 
-        def fp32(zero: bool) -> torch.Tensor:  # an owned-size fp32 state, in host memory under offload
-            if self.offload:
-                return (device_io.zeros if zero else device_io.empty)(self.owned_numel, torch.float32, self._pin)
-            return (torch.zeros if zero else torch.empty)(self.owned_numel, dtype=torch.float32, device=device)
+    @property
+    def exp_avg(self) -> torch.Tensor:
+        return self.state.exp_avg
 
-        self.mixed = self.dtype != torch.float32
-        if self.mixed or self.offload:  # an fp32 master copy of the owned partition (from the fp32 model)
-            self.master = fp32(zero=False)
-            for s, a in zip(segs, self._starts):
-                self.master[a: a + s.param.numel()].copy_(s.init if s.init is not None else s.param)
-                s.init = None
-            self._pieces = [(0, self.owned_numel, self.master)]
-        else:  # the parameters are their own master; merge segments that are adjacent in memory
-            self.master = None
-            self._pieces = []
-            for s, a in zip(segs, self._starts):
-                prev = self._pieces[-1] if self._pieces else None
-                if prev is not None and prev[1] == a and device_io.adjacent(prev[2], s.param):
-                    self._pieces[-1] = (prev[0], a + s.param.numel(),
-                                        _extend(prev[2], s.param.numel()))
-                else:
-                    self._pieces.append((a, a + s.param.numel(), s.param))
-        self.exp_avg = fp32(zero=True)
-        self.exp_avg_sq = fp32(zero=True)
-        self._decay_runs = _runs(segs, self._starts, lambda p: p.ndim >= 2)  # runs never span two segments
-        self._norm_runs = _runs(segs, self._starts, lambda p: self.norm_counted.get(p, True))
+    @property
+    def exp_avg_sq(self) -> torch.Tensor:
+        return self.state.exp_avg_sq
+
+    @property
+    def owned_numel(self) -> int:
+        """Elements this rank updates."""
+        return self.state.numel
+
+    @property
+    def _host_grads(self) -> torch.Tensor | None:
+        """Optimizer offload: the fp32 host copy of the owned gradients (None before the first step)."""
+        return self.host.grads if self.host is not None else None
 
     # -- the training-step interface -----------------------------------------------------------------------
     def zero_grad(self, micro_batches: int | None = None) -> None:
@@ -274,17 +219,9 @@ class ZeroOptimizer:
     def _owned_grads(self) -> OwnedGrads:
         """The reduced owned gradients: the store's segment buffers in place (no copy), or under optimizer
         offload their fp32 copy in a host buffer allocated once."""
-        segs = self.store.segments
-        if not self.offload:
-            return OwnedGrads([(a, s.grad) for s, a in zip(segs, self._starts)])
-        if self._host_grads is None:
-            self._host_grads = device_io.empty(self.owned_numel, torch.float32, self._pin)
-        g = self._host_grads
-        for s, a in zip(segs, self._starts):
-            g[a: a + s.grad.numel()].copy_(s.grad, non_blocking=True)
-        if self._pin:
-            torch.cuda.current_stream().synchronize()  # device-to-host copies done before Adam reads them
-        return OwnedGrads([(0, g)])
+        if self.host is not None:
+            return self.host.owned_grads(self.store.segments, self.state.starts)
+        return OwnedGrads([(a, s.grad) for s, a in zip(self.store.segments, self.state.starts)])
 
     def _global_sq_norm(self, g: OwnedGrads) -> torch.Tensor:
         """The squared global gradient norm as a 0-dim fp64 tensor on the gradients' device (no host read).
@@ -343,13 +280,9 @@ class ZeroOptimizer:
         if self.opt_cfg.clip_grad > 0:
             coef = min(1.0, self.opt_cfg.clip_grad / (norm + 1e-6))
         g.scale_(coef / scale)
-        if self.offload:
-            self._adam_offloaded(g, lr)
-        else:
-            self._adam(g, lr)
-            if self.mixed:
-                for s, a in zip(self.store.segments, self._starts):
-                    s.param.copy_(self.master[a: a + s.param.numel()])
+        self._adam(g, lr)
+        if self.mixed and not self.offload:  # (offload copies each updated chunk back as it goes)
+            self.state.write_params()
         del g
         self.store.after_step()
         if self.scaler is not None:
@@ -374,115 +307,53 @@ class ZeroOptimizer:
                 f"--max-skipped-steps ({limit}) to tolerate more")
 
     @torch.no_grad()
-    def _adam_offloaded(self, g: OwnedGrads, lr: float, chunk: int = 1 << 23) -> None:
-        """Adam on the host in chunks; each updated chunk is copied to the device parameters (asynchronously
-        from pinned memory) while the next chunk is computed."""
+    def _adam(self, g: OwnedGrads, lr: float) -> None:
+        """``torch.optim.Adam``/``AdamW`` (single-tensor arithmetic) on the owned partition: on the host under
+        offload; a separate fp32 master is updated in chunks, so 16-bit gradients are converted to fp32 one
+        chunk at a time."""
         self.step_count += 1
-        for lo in range(0, self.owned_numel, chunk):
-            hi = min(lo + chunk, self.owned_numel)
-            self._adam_update(self.master[lo:hi], g, lr, lo, hi)
-            for s, a in zip(self.store.segments, self._starts):
-                a_lo, a_hi = max(a, lo), min(a + s.param.numel(), hi)
-                if a_lo < a_hi:
-                    s.param[a_lo - a: a_hi - a].copy_(self.master[a_lo:a_hi], non_blocking=True)
 
-    @torch.no_grad()
-    def _adam(self, g: OwnedGrads, lr: float, chunk: int = 1 << 23) -> None:
-        """``torch.optim.Adam``/``AdamW`` (single-tensor arithmetic) on the owned partition; a separate fp32
-        master is updated in chunks, so 16-bit gradients are converted to fp32 one chunk at a time."""
-        self.step_count += 1
-        if self.master is not None:
-            for lo in range(0, self.owned_numel, chunk):
-                hi = min(lo + chunk, self.owned_numel)
-                self._adam_update(self.master[lo:hi], g, lr, lo, hi)
-            return
-        for a, b, p in self._pieces:
-            self._adam_update(p, g, lr, a, b)
+        def update(p: torch.Tensor, lo: int, hi: int) -> None:  # owned elements [lo, hi), held in ``p``
+            adam_update(p, g, lr, lo, hi, cfg=self.opt_cfg, step=self.step_count, decay_runs=self._decay_runs,
+                        exp_avg=self.state.exp_avg, exp_avg_sq=self.state.exp_avg_sq)
 
-    def _adam_update(self, p: torch.Tensor, g: OwnedGrads, lr: float, lo: int, hi: int) -> None:
-        """One Adam/AdamW update of owned elements [lo, hi), held in ``p`` (:func:`~megazero.zero.adam.adam_update`)."""
-        adam_update(p, g, lr, lo, hi, cfg=self.opt_cfg, step=self.step_count, decay_runs=self._decay_runs,
-                    exp_avg=self.exp_avg, exp_avg_sq=self.exp_avg_sq)
+        master = self.state.master
+        if self.host is not None:  # each updated chunk is copied back to the device parameters
+            self.host.adam(master, self.store.segments, self.state.starts, update)
+        elif master is not None:
+            for lo in range(0, self.state.numel, ADAM_CHUNK):
+                hi = min(lo + ADAM_CHUNK, self.state.numel)
+                update(master[lo:hi], lo, hi)
+        else:
+            for a, b, p in self.state.pieces:
+                update(p, a, b)
 
     # -- inspection ----------------------------------------------------------------------------------------
     def master_params(self) -> dict[str, torch.Tensor]:
         """The full fp32 master value of every trainable parameter, by name (a collective over ``dp_group``)."""
-        if self.master is not None:
-            values = [self.master[a: a + s.param.numel()] for s, a in zip(self.store.segments, self._starts)]
-        else:
-            values = [s.param for s in self.store.segments]
-        full = self.store.consolidate([v.to(self._comm_device) for v in values])  # host master under offload
-        return {n: full[p] for n, p in self.model.named_parameters() if p in full}
+        return self.state.master_params(self.model, self._comm_device)
 
-    @contextmanager
     def gathered_parameters(self) -> Iterator[None]:
-        """Inside the block every model parameter holds its whole (model-dtype) value, e.g. to export or
-        evaluate outside the training step; a collective over ``dp_group`` at stage 3, free otherwise."""
-        gather = getattr(self.store, "gather_all", None)
-        if gather is None:
-            yield
-            return
-        gather()
-        try:
-            yield
-        finally:
-            self.store.release_all()
+        """A context manager: inside the block every model parameter holds its whole (model-dtype) value, e.g.
+        to export or evaluate outside the training step; a collective over ``dp_group`` at stage 3, free
+        otherwise (:func:`~megazero.zero.store.gathered`)."""
+        return gathered(self.store)
 
     def model_state_bytes(self) -> dict[str, int]:
-        """Bytes of the model states this rank holds now, measured on the live tensors (storages counted once).
-
-        ``params_bytes``: the model's parameter storages plus parameter shards/buffers the optimizer keeps;
-        ``grads_bytes``: the accumulated gradient (full at stages 0-1, the owned partition at 2-3, in
-        ``grad_dtype``), the fp32 host copy under optimizer offload, and stray ``.grad``;
-        ``master_params_bytes``: the fp32 master partition (0 in fp32, where parameters are their own master);
-        ``optimizer_states_bytes``: the Adam moments; ``offloaded_bytes``: how much of all the above lives in
-        host memory while the rest is on an accelerator, read from each tensor's device (0 when everything is
-        on the CPU), so the device holds the sum of the four minus this; ``comm_buffers_bytes``: buffers
-        allocated once for communication (stage 2's staging pool of ``max_inflight_buckets`` buckets), not a
-        model state.
-        """
-        seen: set[int] = set()
-        held = self.store.held_tensors()
-        host_grads = getattr(self, "_host_grads", None)  # optimizer offload: the fp32 copy Adam reads
-        kinds = {"params_bytes": [p for p in self.model.parameters()] + held["params"],
-                 "grads_bytes": [p.grad for p in self.model.parameters()] + held["grads"] + [host_grads],
-                 "master_params_bytes": [self.master] if self.master is not None else [],
-                 "optimizer_states_bytes": [self.exp_avg, self.exp_avg_sq]}
-        out = {k: storage_bytes(ts, seen) for k, ts in kinds.items()}
-        tensors = [t for ts in kinds.values() for t in ts if t is not None and t.untyped_storage().nbytes()]
-        on_accelerator = any(not device_io.is_host(t) for t in tensors)
-        out["offloaded_bytes"] = storage_bytes([t for t in tensors if device_io.is_host(t)]) if on_accelerator else 0
-        out["comm_buffers_bytes"] = storage_bytes(held.get("comm", []), seen)
-        return out
+        """Bytes of the model states this rank holds now (:func:`megazero.zero.accounting.model_state_bytes`)."""
+        # read through the attributes (a stand-in with model, store, master and moments is measured alike)
+        return accounting.model_state_bytes(self.model, self.store, self.master, (self.exp_avg, self.exp_avg_sq),
+                                            getattr(self, "_host_grads", None))
 
     def padded_numel(self) -> dict[str, int]:
         """Elements of the flat buffers as laid out (Ψ plus padding): what each collective moves."""
         return self.store.padded_numel()
 
-    # -- checkpointing (canonical, topology-independent form; see megazero/checkpoint/sharded.py) --------------------
-    def owned_state(self) -> list[tuple[nn.Parameter, int, dict[str, torch.Tensor]]]:
-        """The runs of parameter elements this rank updates, in owned order: ``(param, offset, views)``.
-
-        ``offset`` is where the run starts in the flattened parameter as this rank holds it (its TP shard,
-        vocab padding included); ``views`` are live 1-D views of the run's fp32 ``master`` value (the
-        parameter itself in fp32 runs), ``exp_avg`` and ``exp_avg_sq``. A parameter has one run per bucket it
-        spans (buckets may cut parameters). Stage 0 owns every element on every DP rank.
-        """
-        store = self.store
-        if hasattr(store, "layouts"):  # stage 3: persistent buckets first, then one layout per gather unit
-            layouts = store.layouts()
-        else:
-            layouts = [(ps, lay, store.rank) for _, ps, lay in store.buckets]
-        assert len(layouts) == len(store.segments), "owned segments and flat layouts out of step"
-        out = []
-        for seg, base, (ps, layout, rank) in zip(store.segments, self._starts, layouts):
-            lo, hi = layout.shard_range(rank)
-            for pc in layout.pieces(lo, hi):
-                a, b = base + pc.offset, base + pc.offset + pc.numel
-                master = self.master[a:b] if self.master is not None else seg.param[pc.offset: pc.offset + pc.numel]
-                out.append((ps[pc.index], pc.param_offset,
-                            {"master": master, "exp_avg": self.exp_avg[a:b], "exp_avg_sq": self.exp_avg_sq[a:b]}))
-        return out
+    # -- checkpointing (canonical, topology-independent form; see megazero/checkpoint/sharded.py) --------------
+    def owned_state(self) -> list[OwnedRun]:
+        """The runs of parameter elements this rank updates, ``(param, offset, views)``
+        (:meth:`OwnedState.owned <megazero.zero.state.OwnedState.owned>`)."""
+        return self.state.owned()
 
     def state_dict(self) -> dict[str, object]:
         """``step_count``, the fp16 ``loss_scaler`` state (None without one) and ``owned``: :meth:`owned_state`
@@ -500,26 +371,10 @@ class ZeroOptimizer:
         The model's parameters become the master values rounded to the model dtype, and sharded parameters
         are all-gathered: a collective over ``dp_group`` that every rank must join.
         """
-        owned = self.owned_state()
-        values = state["owned"]
-        if len(values) != len(owned):
-            raise ValueError(f"optimizer state has {len(values)} owned runs, this rank owns {len(owned)}")
-        for (p, offset, views), item in zip(owned, values):
-            item = item[2] if isinstance(item, tuple) else item
-            for kind, view in views.items():
-                src = item[kind].reshape(-1)
-                if src.numel() != view.numel():
-                    raise ValueError(f"optimizer state {kind} at offset {offset} of a {tuple(p.shape)} parameter has "
-                                     f"{src.numel()} elements, expected {view.numel()}")
-                view.copy_(src)
+        self.state.load(state["owned"])
         self.step_count = int(state["step_count"])
         if self.scaler is not None and state.get("loss_scaler") is not None:
             self.scaler.load_state_dict(state["loss_scaler"])
-        if self.master is not None:  # a separate fp32 master: the model's parameters follow it
-            for s, a in zip(self.store.segments, self._starts):
-                s.param.copy_(self.master[a: a + s.param.numel()])
+        if self.state.master is not None:  # a separate fp32 master: the model's parameters follow it
+            self.state.write_params()
         self.store.after_step()
-
-
-def _extend(a: torch.Tensor, n: int) -> torch.Tensor:
-    return a.as_strided((a.numel() + n,), (1,), a.storage_offset())

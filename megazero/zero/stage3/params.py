@@ -1,6 +1,6 @@
 """ZeRO stage 3: parameters live only as shards, gathered one transformer block at a time.
 
-The units of gathering (:mod:`.stage3_units`) are each model chunk's transformer blocks plus the chunk's own
+The units of gathering (:mod:`.units`) are each model chunk's transformer blocks plus the chunk's own
 parameters (embeddings, final LayerNorm, tied LM head). Each rank keeps only its slice of every unit; the
 parameters are views into a full-size buffer whose storage is freed (resized to 0) while the unit is released,
 so tensors autograd saved alias that storage and see the values again once it is re-gathered. While released,
@@ -24,7 +24,7 @@ fp32 master copy.
   staging costs the model dtype's bytes, not fp32's.
 * **Full activation checkpointing**: a block recomputed inside backward stays gathered for its backward right
   after (``stage3_max_reuse_distance``), so it is gathered twice per micro-batch, not three times.
-* **Ordering, prefetch, live budget, order check**: :mod:`.stage3_gather`.
+* **Ordering, prefetch, live budget, order check**: :mod:`.gather`.
 * **Offload** (``offload_param``): the shards live in host memory (pinned when a GPU is present) and are
   copied to the device just before their all-gather; the optimizer writes updated values into the host shard.
 * **Persistence**: parameters of at most ``stage3_param_persistence_threshold`` elements (DeepSpeed's rule)
@@ -401,7 +401,7 @@ class Stage3Params:
 
     def layouts(self) -> list[tuple[list[nn.Parameter], FlatLayout, int]]:
         """``(parameters, layout, rank)`` of each owned segment, in the order of :attr:`segments`."""
-        out = [(ps, lay, s.rank) for s in self.persistent if s is not None for _, ps, lay in s.buckets]
+        out = [lay for s in self.persistent if s is not None for lay in s.layouts()]
         return out + [(u.params, u.layout, self.rank) for u in self.units]
 
     def consolidate(self, values: Sequence[torch.Tensor]) -> dict[nn.Parameter, torch.Tensor]:
