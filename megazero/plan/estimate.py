@@ -23,7 +23,9 @@ Activations are the bytes autograd saves for backward during one micro-batch's f
 attention, adapted to this implementation (see :func:`activation_bytes`). :func:`korthikanti_layer_bytes`
 gives the paper's figure for comparison.
 
-Pure arithmetic: no torch import, so the command-line tool starts instantly.
+The stage split (:func:`megazero.pipeline.partition.partition_layers`), the vocabulary padding
+(:class:`~megazero.tensor_parallel.layers.VocabParallelEmbedding`'s) and the gradient dtype
+(:func:`megazero.zero.grads.grad_dtype_for`) are the runtime's own, so the estimate cannot drift from them.
 """
 
 from __future__ import annotations
@@ -32,10 +34,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from megazero.config.precision import ELEMENT_BYTES
 from megazero.config.schema import ModelConfig, ZeroConfig
+from megazero.pipeline.partition import partition_layers, stage_specs
+from megazero.tensor_parallel.layers import VOCAB_PAD_MULTIPLE, pad_size
+from megazero.zero.grads import grad_dtype_for
 
 __all__ = [
-    "ELEMENT_BYTES",
     "ModelStateBytes",
     "PeakEstimate",
     "activation_bytes",
@@ -50,34 +55,18 @@ __all__ = [
     "stage_layers",
 ]
 
-ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _CHECKPOINTING = ("none", "selective", "full")
 
 
-def padded_vocab_size(vocab_size: int, tp_size: int, pad_multiple: int = 128) -> int:
+def padded_vocab_size(vocab_size: int, tp_size: int, pad_multiple: int = VOCAB_PAD_MULTIPLE) -> int:
     """The vocabulary as the model lays it out: a multiple of ``pad_multiple * tp_size``."""
-    chunk = pad_multiple * tp_size
-    return math.ceil(vocab_size / chunk) * chunk
+    return pad_size(vocab_size, pad_multiple * tp_size)
 
 
 def stage_layers(num_layers: int, pp_size: int, layout: Sequence[int] | None = None) -> list[range]:
-    """Contiguous layer ranges per pipeline stage, as :mod:`megazero.pipeline.partition` splits them.
-
-    Balanced by default (sizes differ by at most one, the later stages take the extra layers); ``layout``
-    gives each stage's layer count (``--pp-layout``).
-    """
-    if layout is not None:
-        if len(layout) != pp_size or sum(layout) != num_layers or min(layout) < 1:
-            raise ValueError(f"layout {list(layout)} must give each of {pp_size} stages >= 1 layer, "
-                             f"{num_layers} in all")
-        sizes = list(layout)
-    else:
-        if not 1 <= pp_size <= num_layers:
-            raise ValueError(f"--pp {pp_size} needs 1 <= pp <= --num-layers {num_layers}")
-        base, extra = divmod(num_layers, pp_size)
-        sizes = [base + (r >= pp_size - extra) for r in range(pp_size)]
-    starts = [sum(sizes[:r]) for r in range(pp_size)]
-    return [range(a, a + n) for a, n in zip(starts, sizes)]
+    """Contiguous layer ranges per pipeline stage: :func:`megazero.pipeline.partition.partition_layers`'s split
+    (``layout``: each stage's layer count, ``--pp-layout``)."""
+    return partition_layers(num_layers, pp_size, None if layout is None else list(layout))
 
 
 def rank_parameter_numels(model: ModelConfig, tp_size: int = 1, pp_size: int = 1, pp_rank: int = 0,
@@ -91,12 +80,10 @@ def rank_parameter_numels(model: ModelConfig, tp_size: int = 1, pp_size: int = 1
     of ``pp * V`` stages, named ``"{c}.{name}"`` as in an ``nn.ModuleList`` of chunks.
     """
     if virtual_stages > 1:
-        total = pp_size * virtual_stages
-        ranges = stage_layers(model.num_layers, total, layout)
         out: dict[str, int] = {}
-        for c in range(virtual_stages):
-            v = c * pp_size + pp_rank
-            chunk = rank_parameter_numels(model, tp_size, total, v, ranges[v])
+        total, layout = pp_size * virtual_stages, None if layout is None else list(layout)
+        for c, spec in enumerate(stage_specs(model.num_layers, pp_size, pp_rank, virtual_stages, layout)):
+            chunk = rank_parameter_numels(model, tp_size, total, spec.virtual_stage, spec.layers)
             out.update({f"{c}.{k}": n for k, n in chunk.items()})
         return out
     h, t = model.hidden_size, tp_size
@@ -172,9 +159,7 @@ def model_state_bytes(numels: Sequence[int] | float, stage: int, dp_size: int, p
     psi = sum(sizes)
     persistent = sum(n for n in sizes if n <= persistence_threshold) if stage == 3 else 0.0
     e, nd = ELEMENT_BYTES[precision], dp_size
-    if grad_dtype not in ("auto", "fp32", "model", precision):
-        raise ValueError(f"grad_dtype must be auto, fp32 or model, got {grad_dtype!r}")
-    g = 4 if grad_dtype == "fp32" or (grad_dtype == "auto" and precision == "bf16") else e
+    g = grad_dtype_for(precision, grad_dtype).itemsize
     params = e * persistent + e * (psi - persistent) / nd if stage == 3 else e * psi
     grads = g * psi / nd if stage >= 2 else g * psi
     owned = psi / nd if stage >= 1 else psi
@@ -404,8 +389,7 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
     * once activations are freed (stages 0-2): the states, the buffers above and three model-dtype tensors the
       size of the largest parameter. On a GPT that is the tied embedding at the end of backward: the LM head's
       weight gradient (``mm``), the lookup's (``embedding_dense_backward``) and autograd's out-of-place sum of
-      the two (``add``), before it is accumulated (traced on a 50M-parameter GPT, where it sets the peak, in
-      DDP too).
+      the two (``add``), before it is accumulated.
 
     An upper bound where the peak of a phase does not coincide with the others' (the staging buckets fill as
     activations are freed).
@@ -436,7 +420,7 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
     act = activation_bytes(model, micro_batch, **common, layers=len(layers), first_stage=first, last_stage=last)
     act *= in_flight_micro_batches(pp_size, pp_rank, schedule, micro_batches)
     comm = 0.0
-    eg = 4 if precision == "bf16" else e  # gradients are staged and reduced in fp32 in bf16 (--grad-dtype)
+    eg = grad_dtype_for(precision).itemsize  # what gradients are staged and reduced in (--grad-dtype auto)
     if stage >= 2:
         whole = [n for n in sizes if stage == 2 or n <= persistence_threshold]  # staged in buckets
         psi_w = sum(whole)

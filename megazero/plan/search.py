@@ -15,15 +15,16 @@ import itertools
 from dataclasses import dataclass
 from functools import lru_cache
 
+from megazero.config.precision import ELEMENT_BYTES
 from megazero.config.schema import ModelConfig
 from megazero.distributed.context import RankGrid
 from megazero.observe.flops import megatron_model_flops
-from megazero.plan.estimate import in_flight_micro_batches, peak_bytes, rank_parameter_numels, stage_layers
+from megazero.pipeline.partition import stage_specs
+from megazero.plan.estimate import in_flight_micro_batches, peak_bytes, rank_parameter_numels
 from megazero.plan.roofline import Cluster, StepTime, group_nodes, mfu, step_time
+from megazero.zero.grads import grad_dtype_for
 
 __all__ = ["Layout", "Plan", "dp_volume", "evaluate", "layouts", "search", "torchrun_command"]
-
-ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass(frozen=True)
@@ -107,21 +108,19 @@ def evaluate(model: ModelConfig, lay: Layout, global_batch: int, c: Cluster, pre
     ``reduce_bucket_size`` None uses the bucket a run with default settings picks
     (:meth:`ZeroConfig.bucket_numel <megazero.config.schema.ZeroConfig.bucket_numel>`)."""
     e = ELEMENT_BYTES[precision]
-    grad_bytes = 2 if precision == "fp16" else 4  # bf16 accumulates and reduces gradients in fp32
+    grad_bytes = grad_dtype_for(precision).itemsize  # bf16 accumulates and reduces gradients in fp32
     m = global_batch // (lay.micro_batch_size * lay.dp)
     v = lay.virtual_stages
     grid = RankGrid(lay.tp * lay.pp * lay.dp, lay.tp, lay.pp, lay.dp)
     gpn = c.gpus_per_node
     crosses = {k: group_nodes(grid.group_of(k, grid.world_size - 1), gpn) > 1 for k in ("tp", "pp", "dp")}
-    n_chunks = lay.pp * v
-    chunk_layers = stage_layers(model.num_layers, n_chunks)
     worst_mem: tuple | None = None
     slowest: StepTime | None = None
     vols = [0.0, 0.0, 0.0]  # tp, pp, dp bytes: the largest over the stages
     for r in range(lay.pp):
         numels = _numels(model, lay.tp, lay.pp, r, v)
         psi = float(sum(numels))
-        layers = sum(len(chunk_layers[c_ * lay.pp + r]) for c_ in range(v))
+        layers = sum(len(spec.layers) for spec in stage_specs(model.num_layers, lay.pp, r, v))
         first, last = r == 0, r == lay.pp - 1
         pe = peak_bytes(model, lay.micro_batch_size, stage=lay.zero_stage, dp_size=lay.dp, tp_size=lay.tp,
                         pp_size=lay.pp, pp_rank=r, precision=precision, checkpointing=lay.checkpointing,
