@@ -26,6 +26,7 @@ LAYERS = [
     "observe",  # logging, FLOPs, memory tracking, metrics sinks: called by the runtime, never calls it
     "data",  # corpus, tokenizers, datasets, sampler, loader
     "tensor_parallel",  # TP mappings and layers, vocab-parallel CE, RNG tracker, recompute
+    "context_parallel",  # sequence sharding over the CP group, ring and all-gather attention
     "model",  # model families built from TP layers; HF mapping; kernels
     "pipeline",  # partition, schedules, p2p, executor, replay
     "zero",  # ZeRO stages 0-3, offload, loss scaling

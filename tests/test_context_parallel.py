@@ -1,0 +1,143 @@
+"""Context parallelism's building block: load-balanced sharding, true positions, and attention over a split
+sequence (ring and all-gather modes) against plain ``scaled_dot_product_attention`` on the full sequence, plus
+the ring's recorded point-to-point calls replayed under NCCL's rules.
+
+One gloo world per topology (cp 2, cp 4, tp2·cp2) runs every check; the reference is torch's own attention
+(independent of megazero), computed on each rank from the same seed. Negative controls: a wrong chunk offset
+and a merge that skips the softmax rescaling must break the match, and the ring's calls issued one by one
+(send, then receive) must deadlock in the replay.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megazero.context_parallel import (
+    CP_ATTENTION_MODES,
+    chunk_ids,
+    context_parallel_attention,
+    gather_sequence,
+    local_positions,
+    shard_sequence,
+    unshard_sequence,
+)
+from megazero.distributed.context import RankGrid
+from megazero.pipeline.p2p_replay import record_p2p, replay
+from tests.dist import run_world
+
+BATCH, HEADS, HEAD_DIM, CHUNK = 2, 4, 8, 3  # chunks of 3 tokens: odd, so an off-by-one offset shows
+TOL = 1e-5
+# (mode, kv heads, causal): multi-head and grouped-query (2 query heads per K/V head), one non-causal
+CASES = [(m, hkv, True) for m in CP_ATTENTION_MODES for hkv in (HEADS, HEADS // 2)] + [("ring", HEADS // 2, False)]
+
+
+# -- sharding and positions, no processes ---------------------------------------------------------------------
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_sharding_round_trips_and_positions_are_true_offsets(cp):
+    seq = 2 * cp * CHUNK
+    x = torch.randn(2, seq, 5)
+    shards = [shard_sequence(x, r, cp) for r in range(cp)]
+    assert torch.equal(unshard_sequence(shards), x)
+    assert torch.equal(unshard_sequence([shard_sequence(x, r, cp, seq_dim=-2) for r in range(cp)], seq_dim=-2), x)
+    work = set()
+    for r in range(cp):
+        first, second = chunk_ids(r, cp)
+        expect = list(range(first * CHUNK, (first + 1) * CHUNK)) + list(range(second * CHUNK, (second + 1) * CHUNK))
+        pos = local_positions(seq, r, cp)
+        assert pos.tolist() == expect and torch.equal(shards[r], x[:, pos])
+        work.add(int((pos + 1).sum()))  # causal query-key pairs this rank's queries own
+    assert work == {CHUNK * CHUNK * (2 * cp - 1) + CHUNK * (CHUNK + 1)}  # balanced: the same on every rank
+    with pytest.raises(ValueError, match=r"sequence length 10 is not divisible by 2 x cp = 4.*--seq-len"):
+        shard_sequence(torch.zeros(1, 10), 0, 2)
+
+
+# -- attention over a split sequence, one world per topology -------------------------------------------------
+def _inputs(seq: int, hkv: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seq * 10 + hkv)
+    shapes = [(BATCH, HEADS, seq, HEAD_DIM)] + [(BATCH, hkv, seq, HEAD_DIM)] * 2 + [(BATCH, HEADS, seq, HEAD_DIM)]
+    return tuple(torch.randn(s, generator=gen) for s in shapes)
+
+
+def _errors(ctx, mode: str, hkv: int, causal: bool) -> float:
+    """Largest difference of this rank's output and q/k/v gradients from full-sequence attention."""
+    n, r = ctx.cp_size, ctx.cp_rank
+    q, k, v, dout = (t.requires_grad_(i < 3) for i, t in enumerate(_inputs(2 * n * CHUNK, hkv)))
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hkv != HEADS)
+    ref.backward(dout)
+    # TP splits the heads (query heads in blocks that keep their K/V head), CP the sequence
+    tq, tkv = HEADS // ctx.tp_size, hkv // ctx.tp_size
+
+    def mine(t, h):
+        return shard_sequence(t[:, ctx.tp_rank * h: (ctx.tp_rank + 1) * h], r, n, seq_dim=2).detach()
+
+    local = [mine(t, h).requires_grad_() for t, h in ((q, tq), (k, tkv), (v, tkv))]
+    out = context_parallel_attention(*local, ctx.cp_group, mode=mode, causal=causal)
+    out.backward(mine(dout, tq))
+    pairs = [(out, mine(ref, tq))] + [(a.grad, mine(t.grad, h)) for a, t, h in zip(local, (q, k, v), (tq, tkv, tkv))]
+    return max((a - b).abs().max().item() for a, b in pairs)
+
+
+def _broken_merge(out, lse, block_out, block_lse):
+    out.add_(block_out)  # no rescaling by exp(lse - new): each block weighted as if it held the whole softmax
+    lse.copy_(torch.logaddexp(lse, block_lse))
+
+
+def _world(ctx):
+    from megazero.context_parallel import ring
+
+    res = {"cp_ranks": ctx.cp_group.ranks, "errors": {c: _errors(ctx, *c) for c in CASES}}
+    n, r, seq = ctx.cp_size, ctx.cp_rank, 2 * ctx.cp_size * CHUNK
+    x = torch.arange(2.0 * seq).view(2, seq) + 100 * ctx.tp_rank
+    res["gathered"] = torch.equal(gather_sequence(shard_sequence(x, r, n), ctx.cp_group), x)
+    res["positions"] = local_positions(seq, r, n).tolist()
+
+    # the ring's calls, forward and backward, and what the ledger counted for them
+    before = dict(ctx.ledger.totals)
+    res["log"] = record_p2p(ctx.cp_group)
+    res["ring_error"] = _errors(ctx, "ring", HEADS // 2, True)
+    ctx.cp_group.p2p_log = None
+    res["sent"] = {tag: ctx.ledger.totals[("cp", "send", tag)] - before.get(("cp", "send", tag), 0)
+                   for tag in ("kv", "kv_grad")}
+
+    # negative controls: a wrong chunk offset (the contiguous layout's ids), a merge without rescaling
+    for name, attr, bad in (("offset", "chunk_ids", lambda rank, size: (2 * rank, 2 * rank + 1)),
+                            ("merge", "_merge", _broken_merge)):
+        good, _ = getattr(ring, attr), setattr(ring, attr, bad)
+        try:
+            res[f"broken_{name}"] = _errors(ctx, "ring", HEADS // 2, True)
+        finally:
+            setattr(ring, attr, good)
+    return res
+
+
+TOPOLOGIES = {"cp2": (2, 1), "cp4": (4, 1), "tp2_cp2": (2, 2)}
+
+
+@pytest.mark.parametrize("name", list(TOPOLOGIES))
+def test_attention_over_a_split_sequence_equals_full_attention(name):
+    cp, tp = TOPOLOGIES[name]
+    world = cp * tp
+    results = run_world(_world, world, cp=cp, tp=tp, timeout=120)
+    grid = RankGrid(world, tp_size=tp, cp_size=cp)
+    for rank, res in enumerate(results):
+        assert res["cp_ranks"] == grid.group_of("cp", rank)  # groups compose: the ring runs within one tp rank
+        for case, err in res["errors"].items():
+            assert err < TOL, (name, rank, case, err)
+        assert res["ring_error"] < TOL and res["gathered"]
+        cp_rank = grid.position(rank).cp_rank
+        assert res["positions"] == local_positions(2 * cp * CHUNK, cp_rank, cp).tolist()
+        # the broken ring must miss by far more than the tolerance
+        assert res["broken_offset"] > 1e-2 and res["broken_merge"] > 1e-2, (res["broken_offset"], res["broken_merge"])
+        # ledger: K/V (BATCH x 2 heads x 2 chunks x HEAD_DIM each) go round cp - 1 hops forward and again
+        # backward; dK/dV take cp hops in the backward
+        kv = 2 * BATCH * (HEADS // 2 // tp) * 2 * CHUNK * HEAD_DIM
+        assert res["sent"] == {"kv": 2 * (cp - 1) * kv, "kv_grad": cp * kv}, res["sent"]
+    logs = {rank: res["log"] for rank, res in enumerate(results)}
+    assert all(len(call) == 2 for log in logs.values() for call in log)  # a send and a receive per hop
+    result = replay(logs)
+    assert result.ok, str(result)
+    # the same calls issued one operation at a time (send first) deadlock under NCCL's rules
+    one_by_one = {rank: [[op] for call in log for op in call] for rank, log in logs.items()}
+    assert not replay(one_by_one).completed
