@@ -23,6 +23,7 @@ import torch
 from megazero.checkpoint.canonical import FORMAT, KINDS, VERSION, TrainState, named_params
 from megazero.checkpoint.safetensors_io import SafetensorsFile, sha256_file
 from megazero.checkpoint.store import LATEST, MANIFEST, TOKENIZER, CheckpointError, agree, find_checkpoint
+from megazero.config.schema import ModelConfig
 from megazero.observe.log import get_logger
 from megazero.tensor_parallel.layers import ShardSpec, shard_full_tensor
 
@@ -32,8 +33,18 @@ if TYPE_CHECKING:
 
 __all__ = ["CheckpointReader", "load_checkpoint"]
 
-_ARCH_FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size", "num_heads": "--num-heads",
-               "seq_len": "--seq-len", "vocab_size": "--vocab-size", "layernorm_eps": "model.layernorm_eps"}
+# the resolved architecture (ModelConfig fields and properties) a checkpoint must share with the run
+_ARCH_FLAGS = {"arch": "--arch", "num_layers": "--num-layers", "hidden_size": "--hidden-size",
+               "num_heads": "--num-heads", "kv_heads": "--num-kv-heads", "ffn_hidden_size": "--ffn-hidden-size",
+               "seq_len": "--seq-len", "vocab_size": "--vocab-size", "layernorm_eps": "--norm-eps",
+               "rope_theta": "--rope-theta", "tied": "--tie-embeddings"}
+
+
+def _saved_spec(rec: dict[str, Any]) -> ShardSpec:
+    """The split of a saved tensor as its manifest record describes it (init fields unused)."""
+    blocks = tuple(rec["blocks"]) if rec.get("blocks") else None
+    return ShardSpec(tuple(rec["shape"]), "zeros", partition_dim=rec["partition_dim"], stride=rec["stride"],
+                     padded_dim_size=rec["padded_dim_size"], blocks=blocks)
 
 
 class CheckpointReader:
@@ -108,13 +119,17 @@ class CheckpointReader:
         numel = int(torch.Size(local).numel())
         if dim is None:
             return self.read_range(name, kind, 0, 0, numel).view(local)
-        size, n = local[dim] * self.tp_size, local[dim] // rec["stride"]  # padded dim; rows per block per rank
+        size = local[dim] * self.tp_size  # the padded dim
+        blocks = _saved_spec(rec).block_sizes(size)  # interleaved blocks of the full dim: rank r holds 1/tp of each
         full = torch.empty([size if d == dim else x for d, x in enumerate(local)])
         shard = torch.empty(local)
         for r in range(self.tp_size):  # the inverse of shard_full_tensor: block b of rank r's shard
             self.read_range(name, kind, r, 0, numel, out=shard.view(-1))
-            for b in range(rec["stride"]):
-                full.narrow(dim, b * size // rec["stride"] + r * n, n).copy_(shard.narrow(dim, b * n, n))
+            start = at = 0
+            for b in blocks:
+                n = b // self.tp_size
+                full.narrow(dim, start + r * n, n).copy_(shard.narrow(dim, at, n))
+                start, at = start + b, at + n
         return full.narrow(dim, 0, rec["shape"][dim]).contiguous()
 
     def values_for(self, name: str, spec: ShardSpec, tp_rank: int, tp_size: int, start: int, numel: int,
@@ -125,8 +140,9 @@ class CheckpointReader:
             raise CheckpointError(f"{self.dir}: {name} has shape {tuple(self.tensors[name]['shape'])} in the "
                                   f"checkpoint but {tuple(spec.full_shape)} in this model")
         rec = self.tensors[name]
-        same = (spec.partition_dim, spec.stride, spec.padded_dim_size) == (
-            rec["partition_dim"], rec["stride"], rec["padded_dim_size"])
+        saved = _saved_spec(rec)
+        same = (spec.partition_dim, spec.stride, spec.padded_dim_size, spec.blocks) == (
+            saved.partition_dim, saved.stride, saved.padded_dim_size, saved.blocks)
         if spec.partition_dim is None or (tp_size == self.tp_size and same):
             return self.read_range(name, kind, tp_rank, start, numel)
         full = self.full_tensor(name, kind)
@@ -140,9 +156,9 @@ class CheckpointReader:
 
 
 def _check_compatible(reader: CheckpointReader, cfg: Any, tokenizer: Tokenizer | None) -> None:
-    saved = reader.manifest["model"]
-    wrong = [f"{flag} {getattr(cfg.model, f)} != checkpoint's {saved.get(f)}"
-             for f, flag in _ARCH_FLAGS.items() if saved.get(f) != getattr(cfg.model, f)]
+    saved = ModelConfig(**reader.manifest["model"])  # fields a checkpoint predates take their defaults
+    wrong = [f"{flag} {getattr(cfg.model, f)} != checkpoint's {getattr(saved, f)}"
+             for f, flag in _ARCH_FLAGS.items() if getattr(saved, f) != getattr(cfg.model, f)]
     if wrong:
         raise CheckpointError(f"checkpoint {reader.dir} has a different model configuration: {'; '.join(wrong)}. "
                               "Pass the checkpoint's model settings (manifest.json, \"model\") to resume from it")

@@ -12,6 +12,7 @@ from typing import Any
 
 from megazero.config.deepspeed import load_deepspeed_config, merge_with_flags
 from megazero.config.resolve import (
+    ARCHS,
     BACKENDS,
     CHECKPOINTING_MODES,
     OPTIMIZERS,
@@ -113,6 +114,17 @@ def build_parser() -> argparse.ArgumentParser:
                             ("--num-heads", "num_heads", int), ("--seq-len", "seq_len", int),
                             ("--vocab-size", "vocab_size", int), ("--dropout", "dropout", float)):
         add(g, flag, f"model.{name}", f"override the preset's {name}", type=typ)
+    add(g, "--arch", "model.arch", "model family: gpt2 (LayerNorm, learned positions, GELU, biases, tied "
+        "embedding) or llama (RMSNorm, rotary positions, SwiGLU, grouped-query attention, no biases)", choices=ARCHS)
+    add(g, "--num-kv-heads", "model.num_kv_heads", "key/value heads of grouped-query attention (llama); None: "
+        "--num-heads", type=int)
+    add(g, "--ffn-hidden-size", "model.ffn_size", "MLP width; None: 4 x hidden (gpt2), 8/3 x hidden rounded up "
+        "to 256 (llama)", type=int)
+    add(g, "--rope-theta", "model.rope_theta", "base of the rotary position frequencies (llama)", type=float)
+    add(g, "--norm-eps", "model.layernorm_eps", "epsilon of the LayerNorm (gpt2) or RMSNorm (llama)", type=float)
+    g.add_argument("--tie-embeddings", "--no-tie-embeddings", dest="model.tie_embeddings", action=_OnOff,
+                   help="use the token embedding as the output layer (default: from --model; gpt2 ties, llama "
+                   "does not)")
 
     g = parser.add_argument_group("batch and steps")
     add(g, "--micro-batch-size", "training.micro_batch_size", "sequences per rank per forward/backward",

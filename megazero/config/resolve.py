@@ -20,6 +20,7 @@ from megazero.config.errors import ConfigError, ConfigWarning
 from megazero.config.precision import GRAD_DTYPES
 
 __all__ = [
+    "ARCHS",
     "BACKENDS",
     "CHECKPOINTING_MODES",
     "GRAD_DTYPES",
@@ -35,6 +36,7 @@ __all__ = [
 Cfg = TypeVar("Cfg")  # a megazero.config.schema.Config
 
 # Choices shared by the command line (megazero.config.cli) and validation
+ARCHS = ("gpt2", "llama")  # the model families (ModelConfig.arch)
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "adamw")
@@ -70,7 +72,8 @@ def resolve_config(cfg: Cfg, world_size: int, device_type: str = "cpu") -> Cfg:
     positive = (("--tp", p.tp_size), ("--pp", p.pp_size), ("--dp", p.dp_size),
                 ("--virtual-stages", p.virtual_stages), ("--num-layers", m.num_layers),
                 ("--hidden-size", m.hidden_size), ("--num-heads", m.num_heads), ("--seq-len", m.seq_len),
-                ("--vocab-size", m.vocab_size),
+                ("--vocab-size", m.vocab_size), ("--num-kv-heads", m.num_kv_heads),
+                ("--ffn-hidden-size", m.ffn_size),
                 ("--micro-batch-size (train_micro_batch_size_per_gpu)", t.micro_batch_size),
                 ("--global-batch-size (train_batch_size)", t.global_batch_size),
                 ("gradient_accumulation_steps", t.gradient_accumulation_steps),
@@ -96,6 +99,7 @@ def resolve_config(cfg: Cfg, world_size: int, device_type: str = "cpu") -> Cfg:
              f"each tensor-parallel rank needs whole attention heads, so pick a --tp that divides {m.num_heads}")
     _require(m.hidden_size % m.num_heads == 0, f"--hidden-size {m.hidden_size} is not divisible by "
              f"--num-heads {m.num_heads}; pick a head count that divides the hidden size")
+    _check_family(m, p.tp_size)
     _require(0.0 <= m.dropout < 1.0, f"--dropout must be in [0, 1), got {m.dropout}")
     _choice("--pp-schedule", p.pp_schedule, PP_SCHEDULES)
     chunks = p.pp_size * p.virtual_stages
@@ -244,6 +248,28 @@ def resolve_config(cfg: Cfg, world_size: int, device_type: str = "cpu") -> Cfg:
                        scheduler=replace(s, decay_steps=decay_steps))
     _check_not_yet_supported(resolved)
     return resolved
+
+
+def _check_family(m: Any, tp: int) -> None:
+    """The model family's choices (``--arch``) against each other and against ``--tp``."""
+    _choice("--arch", m.arch, ARCHS)
+    if m.arch == "gpt2":
+        _require(m.kv_heads == m.num_heads, f"--num-kv-heads {m.num_kv_heads} needs --arch llama: GPT-2 has "
+                 f"one key/value head per query head (--num-heads {m.num_heads})")
+        _require(m.tied, "--no-tie-embeddings needs --arch llama: GPT-2's output layer is its token embedding")
+    _require(m.num_heads % m.kv_heads == 0, f"--num-heads {m.num_heads} is not divisible by --num-kv-heads "
+             f"{m.kv_heads}; grouped-query attention shares each key/value head among the same number of "
+             "query heads, so pick a --num-kv-heads that divides --num-heads")
+    _require(m.kv_heads % tp == 0, f"--num-kv-heads {m.kv_heads} is not divisible by --tp {tp}; each "
+             "tensor-parallel rank holds whole key/value heads (they are not replicated over TP ranks), so pick "
+             f"a --tp that divides {m.kv_heads}" + (f" (at most {m.kv_heads})" if tp > m.kv_heads else ""))
+    _require(m.ffn_hidden_size % tp == 0, f"--ffn-hidden-size {m.ffn_hidden_size} is not divisible by --tp {tp}; "
+             "each tensor-parallel rank holds an equal slice of the MLP, so pick a width that --tp divides")
+    _require(m.arch != "llama" or m.head_dim % 2 == 0, f"--hidden-size {m.hidden_size} / --num-heads "
+             f"{m.num_heads} = {m.head_dim}: rotary embeddings rotate pairs of features, so the head size must be "
+             "even")
+    _require(m.rope_theta > 0, f"--rope-theta must be positive, got {m.rope_theta}")
+    _require(m.layernorm_eps > 0, f"--norm-eps must be positive, got {m.layernorm_eps}")
 
 
 def _check_not_yet_supported(cfg: Cfg) -> None:

@@ -15,9 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from megazero.config.errors import ConfigError, ConfigWarning
-from megazero.config.resolve import resolve_config
+from megazero.config.resolve import ARCHS, resolve_config
 
 __all__ = [
+    "ARCHS",
     "ActivationCheckpointingConfig",
     "Config",
     "ConfigError",
@@ -39,7 +40,16 @@ __all__ = [
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """GPT-2 architecture hyper-parameters."""
+    """Architecture hyper-parameters of one model family (``arch``), a small set of choices over one block:
+
+    * ``gpt2``: pre-LayerNorm, learned positions, tanh-GELU MLP of 4H, biases, tied input/output embedding;
+    * ``llama``: pre-RMSNorm, rotary positions (``rope_theta``), SwiGLU MLP, grouped-query attention
+      (``num_kv_heads``), no biases, an untied output layer unless ``tie_embeddings``.
+
+    Fields left None take the family's default, read through the properties (``kv_heads``,
+    ``ffn_hidden_size``, ``tied``), so overriding a preset's shape re-derives them. ``layernorm_eps`` is the
+    epsilon of either norm (``--norm-eps``).
+    """
 
     num_layers: int
     hidden_size: int
@@ -49,20 +59,43 @@ class ModelConfig:
     dropout: float = 0.0
     layernorm_eps: float = 1e-5
     init_std: float = 0.02
+    arch: str = "gpt2"
+    num_kv_heads: int | None = None  # None: num_heads (multi-head attention)
+    ffn_size: int | None = None  # None: 4H (gpt2), 8H/3 rounded up to a multiple of 256 (llama)
+    rope_theta: float = 10000.0  # base of the rotary frequencies (llama)
+    tie_embeddings: bool | None = None  # None: tied for gpt2, untied for llama
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (grouped-query attention shares each among num_heads / kv_heads query heads)."""
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
     @property
     def ffn_hidden_size(self) -> int:
+        if self.ffn_size is not None:
+            return self.ffn_size
+        if self.arch == "llama":  # Llama's SwiGLU width: 2/3 of 4H, rounded up to a multiple of 256
+            return -(-int(8 * self.hidden_size / 3) // 256) * 256
         return 4 * self.hidden_size
+
+    @property
+    def tied(self) -> bool:
+        """Whether the output layer is the token embedding (else a separate ``lm_head``)."""
+        return self.arch == "gpt2" if self.tie_embeddings is None else self.tie_embeddings
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
     def num_parameters(self) -> int:
-        """Parameters of the unpadded model, tied embedding counted once."""
-        h, v, s, n = self.hidden_size, self.vocab_size, self.seq_len, self.num_layers
-        per_layer = 12 * h * h + 13 * h
-        return n * per_layer + v * h + s * h + 2 * h
+        """Parameters of the unpadded model, a tied embedding counted once."""
+        h, v, s, n, f = self.hidden_size, self.vocab_size, self.seq_len, self.num_layers, self.ffn_hidden_size
+        kv = self.kv_heads * self.head_dim
+        if self.arch == "llama":  # RMSNorm weights, q/k/v/o, gate/up/down; no biases, no position table
+            per_layer = 2 * h + h * (h + 2 * kv) + h * h + 3 * h * f
+            return n * per_layer + v * h * (1 if self.tied else 2) + h
+        per_layer = 4 * h * h + 2 * h * f + 9 * h + f  # qkv, proj, fc, proj; their biases and two LayerNorms
+        return n * per_layer + v * h * (1 if self.tied else 2) + s * h + 2 * h
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -72,6 +105,19 @@ PRESETS: dict[str, ModelConfig] = {
     "gpt2-350m": ModelConfig(num_layers=24, hidden_size=1024, num_heads=16, seq_len=1024, vocab_size=50257),
     "gpt2-760m": ModelConfig(num_layers=24, hidden_size=1536, num_heads=16, seq_len=1024, vocab_size=50257),
     "gpt2-1.3b": ModelConfig(num_layers=24, hidden_size=2048, num_heads=16, seq_len=1024, vocab_size=50257),
+    # tiny's size as a Llama (4 query heads on 2 KV heads, SwiGLU 384): ~1.05M parameters, the built-in
+    # tokenizer's vocabulary
+    "llama-tiny": ModelConfig(num_layers=4, hidden_size=128, num_heads=4, seq_len=128, vocab_size=1024,
+                              arch="llama", num_kv_heads=2, ffn_size=384, rope_theta=500000.0),
+    # the published config.json shapes (meta-llama on Hugging Face); seq_len is the pre-training context
+    # (Llama 3.2's 128K context comes from rope scaling, which is not modelled)
+    "llama-3.2-1b": ModelConfig(num_layers=16, hidden_size=2048, num_heads=32, seq_len=8192, vocab_size=128256,
+                                arch="llama", num_kv_heads=8, ffn_size=8192, rope_theta=500000.0,
+                                tie_embeddings=True),
+    "llama-3-8b": ModelConfig(num_layers=32, hidden_size=4096, num_heads=32, seq_len=8192, vocab_size=128256,
+                              arch="llama", num_kv_heads=8, ffn_size=14336, rope_theta=500000.0),
+    "llama-3-70b": ModelConfig(num_layers=80, hidden_size=8192, num_heads=64, seq_len=8192, vocab_size=128256,
+                               arch="llama", num_kv_heads=8, ffn_size=28672, rope_theta=500000.0),
 }
 
 

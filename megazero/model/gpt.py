@@ -1,10 +1,24 @@
-"""GPT-2, written to read like a single-file GPT, built from tensor-parallel layers.
+"""GPT-2 and Llama, written to read like a single-file GPT, built from tensor-parallel layers.
 
-The architecture is exactly GPT-2's: learned token and position embeddings, pre-LayerNorm blocks of causal
-self-attention and a tanh-GELU MLP, biases everywhere, a final LayerNorm, and an LM head tied to the token
-embedding. With ``tp_group`` of size 1 the parallel layers are ordinary linear layers.
+One block structure serves both families; a family is the small set of choices in :data:`FAMILIES` (norm,
+positions, MLP, biases) plus the attention heads and tying of its :class:`ModelConfig`:
 
-Shapes in comments: B batch, S sequence, H hidden, V/tp this rank's vocabulary slice, nh/tp this rank's heads.
+* ``gpt2`` is exactly GPT-2: learned token and position embeddings, pre-LayerNorm blocks of causal
+  self-attention and a tanh-GELU MLP, biases everywhere, a final LayerNorm, an LM head tied to the token
+  embedding;
+* ``llama``: token embedding only, pre-RMSNorm blocks whose attention rotates q and k by their position
+  (rotary, :mod:`.layers`) and shares each key/value head among ``num_heads / kv_heads`` query heads
+  (grouped-query attention), a SwiGLU MLP, no biases, a final RMSNorm and an untied output layer ``lm_head``
+  (unless ``tie_embeddings``).
+
+With ``tp_group`` of size 1 the parallel layers are ordinary linear layers. Tensor parallelism splits query
+heads and key/value heads alike (each rank holds ``kv_heads / tp`` KV heads and the query heads that use them),
+the MLP's hidden units (SwiGLU's gate and up rows together) and the vocabulary. Parameter names are the same
+for both families (``blocks.3.attn.qkv.weight``: q, k and v rows stacked, as Hugging Face's q/k/v_proj
+concatenated; ``blocks.3.mlp.fc.weight``: gate rows then up rows), see :mod:`.hf` for the mapping.
+
+Shapes in comments: B batch, S sequence, H hidden, V/tp this rank's vocabulary slice, nh/tp this rank's query
+heads, nkv/tp its key/value heads, hd the head size, F the MLP width.
 With ``sequence_parallel`` the residual stream (LayerNorms, dropout, residual adds) holds [B, S/tp, H]: each TP
 rank keeps one chunk of the sequence, all-gathered on entry to a TP layer and reduce-scattered on exit.
 
@@ -20,7 +34,8 @@ layer index, so a parameter has the same name (``blocks.5.mlp.fc.weight``) in ev
 
 Decoding runs these same modules with a :class:`~megazero.model.cache.KVCache` (``forward(x, cache=cache)``):
 each attention appends the new positions' keys and values to its layer's slot and attends over the cached
-prefix, and positions start at the cache's length. Without a cache nothing of this runs: training keeps the
+prefix, and positions start at the cache's length (learned positions index their table with it, rotary ones
+rotate the new queries and keys by it). Without a cache nothing of this runs: training keeps the
 fused causal kernel, recomputation and compiled blocks.
 """
 
@@ -30,6 +45,7 @@ import math
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +56,7 @@ from megazero.config.schema import ActivationCheckpointingConfig, ModelConfig
 from megazero.distributed.group import Group
 from megazero.model.cache import KVCache, LayerKV
 from megazero.model.kernels import causal_attention, dropout
+from megazero.model.layers import LayerNorm, RMSNorm, apply_rotary, rotary_tables
 from megazero.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -52,8 +69,22 @@ from megazero.tensor_parallel.layers import replicated_parameter, tp_size_rank, 
 from megazero.tensor_parallel.random import RNGTracker
 from megazero.tensor_parallel.recompute import CheckpointOptions, CheckpointStats, checkpoint
 
-__all__ = ["GPT", "Block", "CausalSelfAttention", "Dropout", "LayerNorm", "MLP", "full_state_dict",
+__all__ = ["FAMILIES", "GPT", "Block", "CausalSelfAttention", "Dropout", "Family", "MLP", "full_state_dict",
            "init_parameters", "initial_value", "parameter_initializer"]
+
+
+@dataclass(frozen=True)
+class Family:
+    """What distinguishes a model family inside the shared blocks (heads and tying come from the config)."""
+
+    norm: type[nn.Module]  # LayerNorm or RMSNorm, before attention, MLP and the output layer
+    rotary: bool  # rotary positions in attention (else a learned position table added to the embedding)
+    swiglu: bool  # silu(gate) * up (else tanh-GELU)
+    bias: bool  # biases on every linear layer
+
+
+FAMILIES = {"gpt2": Family(LayerNorm, rotary=False, swiglu=False, bias=True),
+            "llama": Family(RMSNorm, rotary=True, swiglu=True, bias=False)}
 
 
 class Dropout(nn.Dropout):
@@ -75,21 +106,9 @@ class Dropout(nn.Dropout):
             return dropout(x, self.p, self.training)
 
 
-class LayerNorm(nn.Module):
-    """LayerNorm with weight and bias, replicated on every TP rank."""
-
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = replicated_parameter((hidden_size,), "ones")
-        self.bias = replicated_parameter((hidden_size,), "zeros")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
-
-
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal attention; each TP rank owns ``num_heads / tp`` heads."""
+    """Causal attention; each TP rank owns ``num_heads / tp`` query heads and the ``kv_heads / tp`` key/value
+    heads they use (query head j uses KV head j // (num_heads / kv_heads), as Hugging Face Llama)."""
 
     def __init__(self, cfg: ModelConfig, tp_group: Group | None, sequence_parallel: bool = False,
                  rng_tracker: RNGTracker | None = None, recompute: CheckpointOptions | None = None) -> None:
@@ -97,16 +116,25 @@ class CausalSelfAttention(nn.Module):
         tp_size, _ = tp_size_rank(tp_group)
         if cfg.num_heads % tp_size:
             raise ValueError(f"--num-heads ({cfg.num_heads}) must be divisible by --tp ({tp_size})")
-        self.local_heads = cfg.num_heads // tp_size
+        if cfg.num_heads % cfg.kv_heads or cfg.kv_heads % tp_size:
+            raise ValueError(f"--num-kv-heads ({cfg.kv_heads}) must divide --num-heads ({cfg.num_heads}) and be "
+                             f"divisible by --tp ({tp_size})")
+        family = FAMILIES[cfg.arch]
+        self.local_heads, self.local_kv_heads = cfg.num_heads // tp_size, cfg.kv_heads // tp_size
+        self.head_dim = cfg.head_dim
+        self.rotary_theta = cfg.rope_theta if family.rotary else None
         self.dropout = cfg.dropout
         self.rng_tracker = rng_tracker
         self.recompute = recompute  # selective recomputation of the attention core
         resid_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         sp = sequence_parallel
-        # qkv is one fused weight [3H, H]; stride=3 gives each rank the q, k and v rows of its own heads.
-        self.qkv = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, tp_group, std=cfg.init_std, stride=3,
-                                        sequence_parallel=sp)
-        self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp_group, std=resid_std,
+        # qkv is one fused weight [(nh + 2 nkv) hd, H]: the q, k, v blocks, each split over TP so that every rank
+        # holds the q, k and v rows of its own heads (``blocks`` only where GQA makes the three sizes differ)
+        kv, bias = cfg.kv_heads * cfg.head_dim, family.bias
+        blocks = None if cfg.kv_heads == cfg.num_heads else (cfg.num_heads, cfg.kv_heads, cfg.kv_heads)
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, cfg.hidden_size + 2 * kv, tp_group, bias=bias,
+                                        std=cfg.init_std, stride=3, blocks=blocks, sequence_parallel=sp)
+        self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp_group, bias=bias, std=resid_std,
                                       sequence_parallel=sp)
         self.resid_dropout = Dropout(cfg.dropout, rng_tracker, sharded=sp)
 
@@ -123,20 +151,31 @@ class CausalSelfAttention(nn.Module):
 
     @staticmethod
     def _attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The new positions' queries [B, nh/tp, S, hd] over every cached key [B, nh/tp, past + S, hd]."""
+        """The new positions' queries [B, nh/tp, S, hd] over every cached key [B, nh/tp, past + S, hd] (KV heads
+        repeated for their query heads)."""
         past = k.shape[2] - q.shape[2]
         # query i sits at position past + i and sees keys 0 .. past + i (is_causal would align it to key 0)
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(past)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     def _core(self, qkv: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
-        """The attention core: [B, S, 3H/tp] -> [B, S, H/tp], this rank's heads (over ``kv``'s prefix too)."""
-        q, k, v = qkv.chunk(3, dim=-1)  # 3 x [B, S, H/tp]
-        q, k, v = (rearrange(t, "b s (nh hd) -> b nh s hd", nh=self.local_heads) for t in (q, k, v))
-        if kv is None:
-            y = self._attend(q, k, v)  # [B, nh/tp, S, hd]
-        else:
-            y = self._attend_cached(q, *kv.append(k, v))  # [B, nh/tp, S, hd]
+        """The attention core: [B, S, (nh + 2 nkv) hd / tp] -> [B, S, H/tp], this rank's heads (over ``kv``'s
+        prefix too). Under SP the qkv layer has gathered the whole sequence, so positions start at 0 (at the
+        cache's length when decoding)."""
+        hd = self.head_dim
+        q, k, v = qkv.split([self.local_heads * hd, self.local_kv_heads * hd, self.local_kv_heads * hd], dim=-1)
+        q = rearrange(q, "b s (nh hd) -> b nh s hd", hd=hd)  # [B, nh/tp, S, hd]
+        k, v = (rearrange(t, "b s (nkv hd) -> b nkv s hd", hd=hd) for t in (k, v))  # [B, nkv/tp, S, hd]
+        if self.rotary_theta is not None:
+            start = 0 if kv is None else kv.length
+            positions = torch.arange(start, start + q.shape[2], device=q.device)  # [S]
+            cos, sin = rotary_tables(positions, hd, self.rotary_theta, q.dtype)  # [S, hd] each
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if kv is not None:
+            k, v = kv.append(k, v)  # the cache holds KV heads: [B, nkv/tp, past + S, hd]
+        if self.local_kv_heads != self.local_heads:  # each KV head serves nh / nkv consecutive query heads
+            k, v = (t.repeat_interleave(self.local_heads // self.local_kv_heads, dim=1) for t in (k, v))
+        y = self._attend(q, k, v) if kv is None else self._attend_cached(q, k, v)  # [B, nh/tp, S, hd]
         return rearrange(y, "b nh s hd -> b s (nh hd)")  # [B, S, H/tp]
 
     @torch.compiler.disable
@@ -146,7 +185,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
         """[B, S, H] -> [B, S, H]; with ``kv`` (decoding) ``x`` holds the new positions after the cached ones."""
-        qkv = self.qkv(x)  # [B, S, 3H/tp]
+        qkv = self.qkv(x)  # [B, S, (nh + 2 nkv) hd / tp]
         if self.recompute is None or kv is not None:
             y = self._core(qkv, kv)
         else:  # keep only qkv; recompute the core in backward (its heads differ per rank: never partitioned)
@@ -155,33 +194,41 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """H -> 4H (column-parallel) -> tanh-GELU -> H (row-parallel)."""
+    """H -> F (column-parallel) -> tanh-GELU -> H (row-parallel); or SwiGLU: H -> gate and up, F each (one
+    column-parallel weight, stride 2: every rank holds the gate and up rows of its own hidden units) ->
+    silu(gate) * up -> H."""
 
     def __init__(self, cfg: ModelConfig, tp_group: Group | None, sequence_parallel: bool = False,
                  rng_tracker: RNGTracker | None = None) -> None:
         super().__init__()
         resid_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        sp = sequence_parallel
-        self.fc = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, tp_group, std=cfg.init_std,
-                                       sequence_parallel=sp)
-        self.proj = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, tp_group, std=resid_std,
+        sp, family, ffn = sequence_parallel, FAMILIES[cfg.arch], cfg.ffn_hidden_size
+        self.swiglu = family.swiglu
+        self.fc = ColumnParallelLinear(cfg.hidden_size, 2 * ffn if self.swiglu else ffn, tp_group, bias=family.bias,
+                                       std=cfg.init_std, stride=2 if self.swiglu else 1, sequence_parallel=sp)
+        self.proj = RowParallelLinear(ffn, cfg.hidden_size, tp_group, bias=family.bias, std=resid_std,
                                       sequence_parallel=sp)
         self.dropout = Dropout(cfg.dropout, rng_tracker, sharded=sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.gelu(self.fc(x), approximate="tanh")  # [B, S, 4H/tp]
+        if self.swiglu:
+            gate, up = self.fc(x).chunk(2, dim=-1)  # 2 x [B, S, F/tp]
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(self.fc(x), approximate="tanh")  # [B, S, F/tp]
         return self.dropout(self.proj(h))  # [B, S, H]
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x)) (LayerNorm or RMSNorm)."""
 
     def __init__(self, cfg: ModelConfig, tp_group: Group | None, sequence_parallel: bool = False,
                  rng_tracker: RNGTracker | None = None, recompute_attention: CheckpointOptions | None = None) -> None:
         super().__init__()
-        self.ln_1 = LayerNorm(cfg.hidden_size, cfg.layernorm_eps)
+        norm = FAMILIES[cfg.arch].norm
+        self.ln_1 = norm(cfg.hidden_size, cfg.layernorm_eps)
         self.attn = CausalSelfAttention(cfg, tp_group, sequence_parallel, rng_tracker, recompute_attention)
-        self.ln_2 = LayerNorm(cfg.hidden_size, cfg.layernorm_eps)
+        self.ln_2 = norm(cfg.hidden_size, cfg.layernorm_eps)
         self.mlp = MLP(cfg, tp_group, sequence_parallel, rng_tracker)
 
     def forward(self, x: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
@@ -190,7 +237,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-2 (or the part of it one pipeline stage holds).
+    """GPT-2 or Llama, by ``cfg.arch`` (or the part of it one pipeline stage holds).
 
     ``forward(tokens_or_hidden, targets)``: the first stage takes token ids [B, S], later stages the hidden
     states [B, S, H] of the previous one. The last stage returns the per-token loss [B, S] (fp32) when
@@ -224,12 +271,14 @@ class GPT(nn.Module):
             raise ValueError(f"--hidden-size ({cfg.hidden_size}) must be divisible by --num-heads ({cfg.num_heads})")
         if sp and cfg.seq_len % tp_size:
             raise ValueError(f"--sequence-parallel needs --seq-len ({cfg.seq_len}) divisible by --tp ({tp_size})")
-        if pre_process or post_process:  # the LM head is tied to the token embedding
+        family = FAMILIES[cfg.arch]
+        if pre_process or (post_process and cfg.tied):  # a tied output layer is the token embedding
             self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_group, std=cfg.init_std,
                                               sequence_parallel=sp)
-        if pre_process:
+        if pre_process and not family.rotary:
             self.wpe = nn.Module()
             self.wpe.weight = replicated_parameter((cfg.seq_len, cfg.hidden_size), "normal", cfg.init_std)
+        if pre_process:
             self.drop = Dropout(cfg.dropout, rng_tracker, sharded=sp)
         ac = activation_checkpointing or ActivationCheckpointingConfig()
         if ac.mode not in ("none", "full", "selective"):
@@ -243,7 +292,10 @@ class GPT(nn.Module):
         selective = self.recompute if ac.mode == "selective" else None
         self.blocks = nn.ModuleDict({str(i): Block(cfg, tp_group, sp, rng_tracker, selective) for i in self.layers})
         if post_process:
-            self.ln_f = LayerNorm(cfg.hidden_size, cfg.layernorm_eps)
+            self.ln_f = family.norm(cfg.hidden_size, cfg.layernorm_eps)
+        if post_process and not cfg.tied:  # the untied output layer, vocabulary-parallel like the embedding
+            self.lm_head = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_group, std=cfg.init_std,
+                                                  sequence_parallel=sp)
         if sp:
             self._sum_replicated_grads_over_tp()
 
@@ -274,15 +326,22 @@ class GPT(nn.Module):
             block.forward = torch.compile(block.forward, dynamic=False, **options)
 
     @property
+    def output_layer(self) -> VocabParallelEmbedding:
+        """The last stage's output layer: the token embedding when tied, else ``lm_head``."""
+        return self.wte if self.cfg.tied else self.lm_head
+
+    @property
     def padded_vocab_size(self) -> int:
-        return self.wte.padded_vocab_size
+        return (self.wte if self.pre_process else self.output_layer).padded_vocab_size
 
     def embed(self, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """Token + position embeddings of positions [start, start + S): [B, S] -> [B, S, H]."""
+        """Token (+ learned position) embeddings of positions [start, start + S): [B, S] -> [B, S, H]."""
         end = start + ids.shape[1]
         if end > self.cfg.seq_len:
             raise ValueError(f"sequence of {end} tokens exceeds --seq-len {self.cfg.seq_len}")
         tokens = self.wte(ids)  # [B, S, H], or this rank's chunk [B, S/tp, H] with SP
+        if not hasattr(self, "wpe"):  # rotary positions are applied inside attention
+            return self.drop(tokens)
         if self.sequence_parallel:
             start += self.tp_rank * tokens.shape[1]
         pos = self.wpe.weight[start: start + tokens.shape[1]]  # [S, H] (or [S/tp, H])
@@ -301,11 +360,11 @@ class GPT(nn.Module):
                 x = block(x)
         if not self.post_process:
             return x  # hidden states for the next stage
-        logits = self.wte.logits(self.ln_f(x))  # [B, S, V/tp]
+        logits = self.output_layer.logits(self.ln_f(x))  # [B, S, V/tp]
         if targets is None:
             return logits
         # the logits are ours alone: the loss may overwrite them with their gradient in backward
-        return vocab_parallel_cross_entropy(logits, targets, self.tp_group, self.wte.vocab_start,
+        return vocab_parallel_cross_entropy(logits, targets, self.tp_group, self.output_layer.vocab_start,
                                             inplace_backward=True)  # [B, S]
 
     def _decode(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -320,7 +379,7 @@ class GPT(nn.Module):
                 x = self.embed(x, start)  # [B, S, H]
             for i, block in self.blocks.items():
                 x = block(x, cache.layer(int(i)))
-            return self.wte.logits(self.ln_f(x)) if self.post_process else x  # [B, S, V/tp] or [B, S, H]
+            return self.output_layer.logits(self.ln_f(x)) if self.post_process else x  # [B, S, V/tp] or [B, S, H]
 
     @contextmanager
     def _sequence_parallel_off(self) -> Iterator[None]:

@@ -1,21 +1,30 @@
-"""Mapping between megazero's GPT and Hugging Face ``transformers.GPT2LMHeadModel``.
+"""Mapping between megazero's GPT and Hugging Face ``transformers.GPT2LMHeadModel`` / ``LlamaForCausalLM``.
 
-megazero's linear weights are ``[out, in]`` (``nn.Linear``); GPT-2's ``Conv1D`` weights are ``[in, out]``, so
-the four matrices of a block are transposed. The token embedding is stored once (``lm_head`` is tied to it)
+GPT-2: megazero's linear weights are ``[out, in]`` (``nn.Linear``); GPT-2's ``Conv1D`` weights are ``[in, out]``,
+so the four matrices of a block are transposed. The token embedding is stored once (``lm_head`` is tied to it)
 and vocabulary padding is removed. :func:`to_hf_gpt2_tensor` converts one tensor at a time (the checkpoint
 converter streams with it); :func:`to_hf_gpt2_state_dict` converts a whole state dict.
+
+Llama: every weight is ``[out, in]`` on both sides, no transposes and no permutation (rotary embeddings use
+Hugging Face's rotate-half layout). Two megazero weights stack several Hugging Face ones along dim 0
+(:func:`llama_parts`): ``attn.qkv`` is ``q_proj; k_proj; v_proj`` and ``mlp.fc`` is ``gate_proj; up_proj``.
+Tensor parallelism splits each part alike (a rank's rows of ``attn.qkv`` are its rows of q_proj, then of k_proj,
+then of v_proj), so a rank can read its slices of the Hugging Face tensors directly. ``wte`` is
+``model.embed_tokens``, ``lm_head`` (untied models) is ``lm_head``; vocabulary padding is removed.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from megazero.config.schema import ModelConfig
 
-__all__ = ["hf_gpt2_config", "to_hf_gpt2_state_dict", "to_hf_gpt2_tensor"]
+__all__ = ["from_hf_llama_tensors", "hf_gpt2_config", "hf_llama_config", "llama_parts", "to_hf_gpt2_state_dict",
+           "to_hf_gpt2_tensor", "to_hf_llama_state_dict", "to_hf_llama_tensors"]
 
 _TRANSPOSED = ("attn.qkv.weight", "attn.proj.weight", "mlp.fc.weight", "mlp.proj.weight")
 _BLOCK_NAMES = {
@@ -57,4 +66,66 @@ def to_hf_gpt2_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> d
     """Convert a full (unsharded) megazero GPT state dict into GPT2LMHeadModel's names and layouts."""
     out = dict(to_hf_gpt2_tensor(name, t, cfg) for name, t in state.items())
     out["lm_head.weight"] = out["transformer.wte.weight"]
+    return out
+
+
+def hf_llama_config(cfg: ModelConfig, **extra: Any) -> dict[str, Any]:
+    """The ``LlamaConfig`` keyword arguments of an equivalent Hugging Face model."""
+    return dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.seq_len, rms_norm_eps=cfg.layernorm_eps,
+        rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tied, attention_bias=False, mlp_bias=False,
+        attention_dropout=cfg.dropout, initializer_range=cfg.init_std, **extra,
+    )
+
+
+_LLAMA_BLOCK = {
+    "ln_1.weight": ("input_layernorm.weight",),
+    "attn.qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "attn.proj.weight": ("self_attn.o_proj.weight",),
+    "ln_2.weight": ("post_attention_layernorm.weight",),
+    "mlp.fc.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "mlp.proj.weight": ("mlp.down_proj.weight",),
+}
+
+
+def llama_parts(name: str, cfg: ModelConfig) -> list[tuple[str, int | None]]:
+    """The ``LlamaForCausalLM`` tensors that make up megazero parameter ``name``, in order along dim 0, each with
+    its row count (None: the whole tensor, one part)."""
+    if name == "wte.weight":
+        return [("model.embed_tokens.weight", cfg.vocab_size)]
+    if name == "lm_head.weight":
+        return [("lm_head.weight", cfg.vocab_size)]
+    if name == "ln_f.weight":
+        return [("model.norm.weight", None)]
+    m = re.fullmatch(r"blocks\.(\d+)\.(.+)", name)
+    if m is None or m.group(2) not in _LLAMA_BLOCK:
+        raise KeyError(f"{name!r} is not a parameter of megazero's Llama")
+    hf = [f"model.layers.{m.group(1)}.{part}" for part in _LLAMA_BLOCK[m.group(2)]]
+    q, kv, ffn = cfg.hidden_size, cfg.kv_heads * cfg.head_dim, cfg.ffn_hidden_size
+    rows = {"attn.qkv.weight": (q, kv, kv), "mlp.fc.weight": (ffn, ffn)}.get(m.group(2), (None,))
+    return list(zip(hf, rows))
+
+
+def to_hf_llama_tensors(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    """One full (unsharded) megazero parameter as its ``(LlamaForCausalLM name, tensor)`` parts."""
+    parts, start = [], 0
+    for hf_name, rows in llama_parts(name, cfg):
+        parts.append((hf_name, tensor if rows is None else tensor[start: start + rows]))
+        start += rows or 0
+    return parts
+
+
+def from_hf_llama_tensors(name: str, hf: Mapping[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    """Megazero parameter ``name`` (full, unpadded) from the ``LlamaForCausalLM`` tensors in ``hf``."""
+    return torch.cat([hf[hf_name] for hf_name, _ in llama_parts(name, cfg)], dim=0)
+
+
+def to_hf_llama_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Convert a full (unsharded) megazero Llama state dict into LlamaForCausalLM's names (``lm_head`` is the
+    token embedding when tied)."""
+    out = dict(part for name, t in state.items() for part in to_hf_llama_tensors(name, t, cfg))
+    if cfg.tied:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out

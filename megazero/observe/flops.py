@@ -4,35 +4,61 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
-__all__ = ["PEAK_FLOPS", "megatron_hardware_flops", "megatron_model_flops", "peak_flops_per_device", "throughput"]
+from megazero.config.schema import ModelConfig
+
+__all__ = ["PEAK_FLOPS", "flops_shape", "megatron_hardware_flops", "megatron_model_flops", "peak_flops_per_device",
+           "throughput"]
 
 
-def megatron_model_flops(batch: float, seq_len: int, num_layers: int, hidden: int, vocab: int) -> float:
+def flops_shape(model: ModelConfig) -> dict[str, Any]:
+    """The keyword arguments of this module's FLOP counts for ``model``: the key/value width (grouped-query
+    attention), the MLP width and whether the MLP is gated (SwiGLU: three matrices instead of two)."""
+    return {"kv_hidden": model.kv_heads * model.head_dim, "ffn_hidden": model.ffn_hidden_size,
+            "gated": model.arch == "llama"}
+
+
+def _layer_flops(seq_len: int, hidden: int, kv_hidden: int | None, ffn_hidden: int | None, gated: bool) -> float:
+    """Forward FLOPs of one transformer layer per token: the q, k, v projections ``2h(h + 2·kv)``, ``QKᵀ`` and
+    attention over V ``4·s·h`` (the full square, as Megatron-LM counts), the output projection ``2h²`` and the
+    MLP ``4·h·f`` (``6·h·f`` gated). GPT-2 (kv = h, f = 4h) gives Megatron-LM's ``24h² + 4sh``."""
+    h = hidden
+    kv = h if kv_hidden is None else kv_hidden
+    f = 4 * h if ffn_hidden is None else ffn_hidden
+    return 2.0 * h * (h + 2 * kv) + 4.0 * seq_len * h + 2.0 * h * h + (6.0 if gated else 4.0) * h * f
+
+
+def megatron_model_flops(batch: float, seq_len: int, num_layers: int, hidden: int, vocab: int, *,
+                         kv_hidden: int | None = None, ffn_hidden: int | None = None, gated: bool = False) -> float:
     """Model FLOPs of one step (forward + backward) by Megatron-LM's count, no recomputation.
 
     ``72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))`` for ``batch`` = B sequences of ``seq_len`` = s tokens (the
-    global batch), l layers, hidden size h and vocabulary V (Narayanan et al. 2021, appendix). MFU always
-    uses this count.
+    global batch), l layers, hidden size h and vocabulary V (Narayanan et al. 2021, appendix) for GPT-2; in
+    general ``3·B·s·(l·layer + 2hV)`` with the per-token layer count of :func:`_layer_flops` (keyword arguments:
+    :func:`flops_shape`). MFU always uses this count.
     """
-    s, h, n = seq_len, hidden, num_layers
-    return 72.0 * batch * s * n * h * h * (1 + s / (6 * h) + vocab / (12 * n * h))
+    layer = _layer_flops(seq_len, hidden, kv_hidden, ffn_hidden, gated)
+    return 3.0 * batch * seq_len * (num_layers * layer + 2.0 * hidden * vocab)
 
 
 def megatron_hardware_flops(batch: float, seq_len: int, num_layers: int, hidden: int, vocab: int,
-                            checkpointing: str = "none") -> float:
+                            checkpointing: str = "none", *, kv_hidden: int | None = None,
+                            ffn_hidden: int | None = None, gated: bool = False) -> float:
     """FLOPs the hardware executes in one step, recomputation included (the numerator of HFU).
 
     ``none``: the model FLOPs. ``full`` (every layer's forward run twice): Megatron-LM's
-    ``96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))``. ``selective`` (attention core recomputed): the model FLOPs plus
-    one more forward of the ``QKᵀ`` and attention-over-V matmuls, ``4·B·s²·h`` per layer.
+    ``96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))`` for GPT-2, ``B·s·(4·l·layer + 6hV)`` in general. ``selective``
+    (attention core recomputed): the model FLOPs plus one more forward of the ``QKᵀ`` and attention-over-V
+    matmuls, ``4·B·s²·h`` per layer.
     """
     s, h, n = seq_len, hidden, num_layers
+    shape = {"kv_hidden": kv_hidden, "ffn_hidden": ffn_hidden, "gated": gated}
     if checkpointing == "full":
-        return 96.0 * batch * s * n * h * h * (1 + s / (6 * h) + vocab / (16 * n * h))
-    model = megatron_model_flops(batch, seq_len, num_layers, hidden, vocab)
+        return batch * s * (4.0 * n * _layer_flops(s, h, **shape) + 6.0 * h * vocab)
+    model = megatron_model_flops(batch, seq_len, num_layers, hidden, vocab, **shape)
     if checkpointing == "selective":
         return model + 4.0 * batch * s * s * h * n
     return model
@@ -86,16 +112,17 @@ def peak_flops_per_device(precision: str, device: torch.device | str | None = No
 
 
 def throughput(tokens: int, seq_len: int, seconds: float, world_size: int, num_layers: int, hidden: int,
-               vocab: int, checkpointing: str = "none", peak_flops: float | None = None) -> dict[str, float | None]:
+               vocab: int, checkpointing: str = "none", peak_flops: float | None = None,
+               **shape: Any) -> dict[str, float | None]:
     """``tokens_per_s``, ``tflops_per_gpu`` (model FLOPs), ``mfu`` and ``hfu`` of one step over the whole job.
 
     ``tokens`` is the global batch's token count (so B = tokens / seq_len sequences), ``seconds`` the step's
     wall time, ``peak_flops`` one device's peak FLOP/s (``mfu``/``hfu`` are None without it). ``vocab`` is the
-    (padded) vocabulary the LM head multiplies by.
+    (padded) vocabulary the LM head multiplies by; ``shape``: :func:`flops_shape` of a model other than GPT-2.
     """
     batch = tokens / seq_len
-    model = megatron_model_flops(batch, seq_len, num_layers, hidden, vocab)
-    hardware = megatron_hardware_flops(batch, seq_len, num_layers, hidden, vocab, checkpointing)
+    model = megatron_model_flops(batch, seq_len, num_layers, hidden, vocab, **shape)
+    hardware = megatron_hardware_flops(batch, seq_len, num_layers, hidden, vocab, checkpointing, **shape)
     per_gpu = model / seconds / world_size
     return {
         "tokens_per_s": tokens / seconds,

@@ -2,8 +2,9 @@
 
 Every parameter created here carries a :class:`ShardSpec` (``param.shard_spec``): its full, unpadded shape,
 the dimension split across TP ranks (``None`` when replicated), how many interleaved blocks that dimension
-holds (3 for a fused QKV weight, so each rank gets its own heads' q, k and v), the padded size of that
-dimension and how to initialise the full tensor. Initialisation, checkpoint merging and gradient-norm
+holds (3 for a fused QKV weight, so each rank gets its own heads' q, k and v; their relative sizes when they
+differ, as q, k and v do under grouped-query attention), the padded size of that dimension and how to
+initialise the full tensor. Initialisation, checkpoint merging and gradient-norm
 accounting all read the spec, so they agree on what a shard is.
 """
 
@@ -50,6 +51,13 @@ class ShardSpec:
     partition_dim: int | None = None  # None: replicated on every TP rank
     stride: int = 1  # interleaved blocks along partition_dim (qkv: 3)
     padded_dim_size: int | None = None  # partition_dim size after zero padding (vocab)
+    blocks: tuple[int, ...] | None = None  # the blocks' relative sizes (GQA's qkv: heads, kv heads, kv heads)
+
+    def block_sizes(self, size: int) -> list[int]:
+        """The sizes of the ``stride`` interleaved blocks of a ``size``-long partition dim (the full one, or one
+        rank's shard: each rank holds the same fraction of every block); equal unless ``blocks`` is set."""
+        weights = self.blocks or (1,) * self.stride
+        return [size * w // sum(weights) for w in weights]
 
     def make_full(self, generator: torch.Generator) -> torch.Tensor:
         """The full, unpadded fp32 tensor this parameter is a slice of, drawn from ``generator``."""
@@ -82,7 +90,7 @@ def shard_full_tensor(full: torch.Tensor, spec: ShardSpec, tp_rank: int, tp_size
         pad_shape = list(full.shape)
         pad_shape[dim] = spec.padded_dim_size - full.shape[dim]
         full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
-    blocks = full.chunk(spec.stride, dim=dim)
+    blocks = full.split(spec.block_sizes(full.shape[dim]), dim=dim)
     return torch.cat([b.chunk(tp_size, dim=dim)[tp_rank] for b in blocks], dim=dim)
 
 
@@ -91,7 +99,7 @@ def unshard_tensor(shards: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
     if spec.partition_dim is None:
         return shards[0]
     dim = spec.partition_dim
-    per_rank = [s.chunk(spec.stride, dim=dim) for s in shards]
+    per_rank = [s.split(spec.block_sizes(s.shape[dim]), dim=dim) for s in shards]
     full = torch.cat([torch.cat([blocks[b] for blocks in per_rank], dim=dim) for b in range(spec.stride)], dim=dim)
     return full.narrow(dim, 0, spec.full_shape[dim])
 
@@ -154,7 +162,8 @@ def _divide(n: int, d: int, what: str) -> int:
 class ColumnParallelLinear(nn.Module):
     """``y = x A^T + b`` with A split by output rows: each rank computes its slice of the outputs.
 
-    ``stride`` > 1 interleaves blocks (a fused QKV weight keeps each rank's q, k and v together).
+    ``stride`` > 1 interleaves blocks (a fused QKV weight keeps each rank's q, k and v together); ``blocks``
+    gives their relative sizes where they differ (grouped-query attention's q, k, v: heads, kv heads, kv heads).
     With ``gather_output`` the full output is all-gathered; otherwise it stays split (feed a row-parallel layer).
     With ``sequence_parallel`` the input arrives as a sequence shard [B, S/tp, in] and is all-gathered along
     the sequence (its gradient reduce-scattered) instead of copied into the TP region.
@@ -162,17 +171,20 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, tp_group: Group | None, *, bias: bool = True,
                  std: float = 0.02, gather_output: bool = False, stride: int = 1,
-                 sequence_parallel: bool = False) -> None:
+                 blocks: tuple[int, ...] | None = None, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.tp_group = tp_group
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
         tp_size, _ = tp_size_rank(tp_group)
         local_out = _divide(out_features, tp_size, "output features")
-        self.weight = _param((local_out, in_features),
-                             ShardSpec((out_features, in_features), "normal", std, partition_dim=0, stride=stride))
-        self.bias = _param((local_out,), ShardSpec((out_features,), "zeros", partition_dim=0, stride=stride)) \
-            if bias else None
+        if blocks is not None:
+            stride = len(blocks)
+        split = {"partition_dim": 0, "stride": stride, "blocks": blocks}
+        for size in ShardSpec((out_features,), "zeros", **split).block_sizes(out_features):
+            _divide(size, tp_size, "output features of each interleaved block")
+        self.weight = _param((local_out, in_features), ShardSpec((out_features, in_features), "normal", std, **split))
+        self.bias = _param((local_out,), ShardSpec((out_features,), "zeros", **split)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:  # [B, S/tp, in] -> all-gather -> [B, S, out/tp]
@@ -216,8 +228,8 @@ class VocabParallelEmbedding(nn.Module):
     """Token embedding with the (padded) vocabulary split across TP ranks.
 
     Ids outside this rank's range look up zeros and the partial results are summed over the group. The same
-    weight serves as the tied LM head through :meth:`logits`, which returns this rank's vocabulary slice of
-    the logits (padded entries set to ``-inf`` so they never reach a softmax). With ``sequence_parallel``
+    weight serves as the tied LM head through :meth:`logits` (an untied output layer is a second instance used
+    through :meth:`logits` only), which returns this rank's vocabulary slice of the logits (padded entries set to ``-inf`` so they never reach a softmax). With ``sequence_parallel``
     the lookup's partial sums are reduce-scattered along the sequence and the LM head's input is all-gathered.
     """
 

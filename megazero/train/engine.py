@@ -93,9 +93,9 @@ class Engine:
         """Verify that the first and last stage hold the same tied embedding; raise on every rank if not.
 
         A collective over the whole world (so no rank waits for a peer that raised); returns the relative
-        difference ``||E_last - E_first|| / ||E_first||`` (0 without pipelining).
+        difference ``||E_last - E_first|| / ||E_first||`` (0 without pipelining or without tying).
         """
-        if not self.ctx.pp_enabled:
+        if not self.ctx.pp_enabled or not self.cfg.model.tied:
             return 0.0
         world = self.ctx.world_group
         rel = torch.zeros(1, dtype=torch.float64, device=world.device)

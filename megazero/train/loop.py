@@ -24,7 +24,7 @@ from megazero.config.schema import Config
 from megazero.data import DistributedBatchSampler, build_datasets, collate, resolve_tokenizer
 from megazero.distributed.context import ParallelContext
 from megazero.generate import generate_samples, read_prompts
-from megazero.observe.flops import peak_flops_per_device, throughput
+from megazero.observe.flops import flops_shape, peak_flops_per_device, throughput
 from megazero.observe.log import get_logger
 from megazero.observe.memory import PeakMemoryTracker, StepPeak, zero_buffers
 from megazero.observe.metrics import MetricsWriter, gather_rank_records, rank_memory_record
@@ -95,7 +95,8 @@ def _step_record(cfg: Config, ctx: ParallelContext, engine: Engine, res: StepRes
     m = cfg.model
     speed = throughput(res.tokens, m.seq_len, step_seconds, ctx.world_size, m.num_layers, m.hidden_size,
                        engine.padded_vocab_size, cfg.activation_checkpointing.mode,
-                       peak_flops_per_device(cfg.training.precision, engine.device, cfg.training.peak_tflops))
+                       peak_flops_per_device(cfg.training.precision, engine.device, cfg.training.peak_tflops),
+                       **flops_shape(m))
     return {
         "step": res.step, "loss": res.loss, "eval_loss": eval_loss, "lr": res.lr, "grad_norm": res.grad_norm,
         "loss_scale": res.loss_scale, **speed,

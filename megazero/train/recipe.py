@@ -84,12 +84,13 @@ def wrap_for_zero(chunks: list[GPT], cfg: Config, ctx: ParallelContext, param_in
 
     With pipelining the first and last stage each hold a copy of the tied word embedding: their gradients are
     summed over the embedding group and the last stage's copy is left out of the gradient norm (counted once).
+    An untied model (``lm_head`` on the last stage) has no copies and no embedding-group traffic.
     """
-    tied = [c.wte.weight for c in chunks if hasattr(c, "wte")] if ctx.pp_enabled else []
+    tied = [c.wte.weight for c in chunks if hasattr(c, "wte")] if ctx.pp_enabled and cfg.model.tied else []
     model = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
     norm_counted = grad_norm_weights(model, ctx.tp_rank)
     for chunk in chunks:
-        if chunk.post_process and not chunk.pre_process and ctx.pp_enabled:
+        if chunk.post_process and not chunk.pre_process and tied:
             norm_counted[chunk.wte.weight] = False
     optimizer = ZeroOptimizer(
         model, cfg.zero, cfg.optimizer, dp_group=ctx.dp_group, norm_group=ctx.mp_group, norm_counted=norm_counted,
