@@ -142,7 +142,7 @@ def test_preprocess_workers_byte_identical(hf_dir: Path, corpus_files: list[Path
     for workers in (1, 2):
         out = tmp_path / f"w{workers}" / "corpus"
         result = _preprocess(["--input", str(data), "--output-prefix", str(out), "--tokenizer", str(hf_dir),
-                              "--workers", str(workers), "--batch-size", "16"], tmp_path)
+                              "--workers", str(workers), "--batch-size", "16", "--batch-chars", "20000"], tmp_path)
         assert result.returncode == 0, result.stderr
         assert f"{len(docs) + len(texts)} documents" in result.stdout and f"{workers} worker(s)" in result.stdout
         outputs[workers] = out

@@ -58,7 +58,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "tokenizer.json, or a directory holding one")
     parser.add_argument("--cache-dir", default=None, help="tokenizer cache root (default: $MEGAZERO_CACHE or "
                         "~/.cache/megazero)")
-    parser.add_argument("--batch-size", type=int, default=256, help="documents encoded per batch")
+    parser.add_argument("--batch-size", type=int, default=256, help="documents encoded per batch (a batch also "
+                        "ends once it holds --batch-chars characters)")
+    parser.add_argument("--batch-chars", type=int, default=1 << 20, help="characters per batch at most, "
+                        "give or take one document (keeps the workers evenly loaded on long documents)")
     parser.add_argument("--num-threads", type=int, default=1, help="the tokenizer's own threads within one "
                         "process (SentencePiece's, or the tokenizers library's pool when > 1)")
     parser.add_argument("--workers", type=int, default=1, help="processes encoding batches of documents in "
@@ -66,8 +69,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.tokenizer is None and args.vocab_size is None:
         parser.error("one of --tokenizer PATH or --vocab-size N is required")
-    if args.workers < 1:
-        parser.error(f"--workers must be at least 1, got {args.workers}")
+    for flag, value in (("--workers", args.workers), ("--batch-size", args.batch_size),
+                        ("--batch-chars", args.batch_chars), ("--num-threads", args.num_threads)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
     return args
 
 
@@ -96,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
 
         def counted_chunks() -> Iterator[np.ndarray]:
             for chunk in tokenize_documents(counted_documents(), tokenizer, batch_size=args.batch_size,
-                                            num_threads=args.num_threads, workers=args.workers):
+                                            num_threads=args.num_threads, workers=args.workers,
+                                            batch_chars=args.batch_chars):
                 progress.update(chunk.size)
                 progress.set_postfix(docs=counts["documents"], refresh=False)
                 yield chunk

@@ -104,13 +104,15 @@ def _pack(tokenizer: AnyTokenizer, batch: list[str], num_threads: int = 1) -> np
     return np.asarray(ids, dtype=np.int64)
 
 
-def _batches(documents: Iterable[str], batch_size: int) -> Iterator[list[str]]:
+def _batches(documents: Iterable[str], batch_size: int, batch_chars: int | None = None) -> Iterator[list[str]]:
     batch: list[str] = []
+    chars = 0
     for doc in documents:
         batch.append(doc)
-        if len(batch) >= batch_size:
+        chars += len(doc)
+        if len(batch) >= batch_size or (batch_chars is not None and chars >= batch_chars):
             yield batch
-            batch = []
+            batch, chars = [], 0
     if batch:
         yield batch
 
@@ -130,10 +132,11 @@ def _pack_in_worker(batch: list[str]) -> np.ndarray:
 
 def tokenize_documents(
     documents: Iterable[str], tokenizer: AnyTokenizer, batch_size: int = 256, num_threads: int = 1,
-    workers: int = 1,
+    workers: int = 1, batch_chars: int | None = None,
 ) -> Iterator[np.ndarray]:
     """Yield one int64 array per batch of documents: each document's ids followed by ``tokenizer.eos_id``.
 
+    A batch is ``batch_size`` documents, or fewer once it holds ``batch_chars`` characters (when given).
     ``workers > 1`` encodes the batches in that many processes (each with its own copy of the tokenizer),
     at most ``2 * workers`` batches in flight, and yields them in input order: the same arrays as
     ``workers=1``. ``num_threads`` is the tokenizer's own threading within a batch (one process).
@@ -141,14 +144,14 @@ def tokenize_documents(
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
     if workers == 1:
-        for batch in _batches(documents, batch_size):
+        for batch in _batches(documents, batch_size, batch_chars):
             yield _pack(tokenizer, batch, num_threads)
         return
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
     with context.Pool(workers, initializer=_init_worker, initargs=(tokenizer,)) as pool:
         pending: deque = deque()
-        for batch in _batches(documents, batch_size):
+        for batch in _batches(documents, batch_size, batch_chars):
             pending.append(pool.apply_async(_pack_in_worker, (batch,)))
             if len(pending) >= 2 * workers:
                 yield pending.popleft().get()
