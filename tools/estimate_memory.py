@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gradient accumulation/reduction dtype: auto = fp32 in bf16 (4 bytes/param), the model's "
                    "in fp16 (2 bytes, the ZeRO paper's table); model = 2 bytes in bf16 too (default auto)")
     g.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch (default 1)")
-    g.add_argument("--activation-checkpointing", choices=("none", "selective", "full"), default="none")
+    g.add_argument("--activation-checkpointing", choices=("none", "selective", "full"), default="none",
+                   help="recompute activations in backward (default %(default)s)")
     g.add_argument("--partition-activations", action="store_true",
                    help="full checkpointing keeps each layer input split over the TP ranks")
     g.add_argument("--cpu-checkpointing", action="store_true", help="checkpointed inputs kept in host memory")
@@ -196,7 +197,7 @@ def estimate(args: argparse.Namespace) -> str:
         ("model states: 16-bit params and grads (2 + 2 bytes) plus an fp32 master copy and two fp32 Adam moments "
          "(K = 12 bytes) per parameter" if mixed else
          "model states, fp32: the parameters are their own master copy (no separate master, as "
-         "megazero/zero/optimizer.py holds them): params 4 + grads 4 + Adam moments 8 bytes per parameter")
+         "megazero/zero/state.py holds them): params 4 + grads 4 + Adam moments 8 bytes per parameter")
         + f"; stage 1 partitions master and moments over dp = {args.dp}, stage 2 also the grads, stage 3 also "
         f"the params (ZeRO paper, arXiv 1910.02054).",
         f"stage 3 keeps parameters of <= {args.persistence_threshold} elements whole on every rank "

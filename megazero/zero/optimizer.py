@@ -349,7 +349,7 @@ class ZeroOptimizer:
         """Elements of the flat buffers as laid out (Ψ plus padding): what each collective moves."""
         return self.store.padded_numel()
 
-    # -- checkpointing (canonical, topology-independent form; see megazero/checkpoint/sharded.py) --------------
+    # -- checkpointing (canonical, topology-independent form; see megazero/checkpoint/canonical.py) --------------
     def owned_state(self) -> list[OwnedRun]:
         """The runs of parameter elements this rank updates, ``(param, offset, views)``
         (:meth:`OwnedState.owned <megazero.zero.state.OwnedState.owned>`)."""

@@ -12,7 +12,7 @@ keeps the two fp32 Adam moments and, where the parameters are not fp32 themselve
 
 A checkpoint does not store these flat buffers: :meth:`OwnedState.owned` names every run of elements by its
 parameter and offset, so a writer can save each run and a reader reload it at any topology
-(``megazero/checkpoint/sharded.py``).
+(``megazero/checkpoint/canonical.py``).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class OwnedState:
         full = self.store.consolidate([v.to(device) for v in values])
         return {n: full[p] for n, p in model.named_parameters() if p in full}
 
-    # -- checkpointing (canonical, topology-independent form; see megazero/checkpoint/sharded.py) -------------
+    # -- checkpointing (canonical, topology-independent form; see megazero/checkpoint/canonical.py) -------------
     def owned(self) -> list[OwnedRun]:
         """The runs of parameter elements this rank updates, in owned order: ``(param, offset, views)``.
 
