@@ -24,6 +24,7 @@ from megazero.context_parallel import (
     unshard_sequence,
 )
 from megazero.distributed.context import RankGrid
+from megazero.distributed.group import Group
 from megazero.pipeline.p2p_replay import record_p2p, replay
 from tests.dist import run_world
 
@@ -51,6 +52,18 @@ def test_sharding_round_trips_and_positions_are_true_offsets(cp):
     assert work == {CHUNK * CHUNK * (2 * cp - 1) + CHUNK * (CHUNK + 1)}  # balanced: the same on every rank
     with pytest.raises(ValueError, match=r"sequence length 10 is not divisible by 2 x cp = 4.*--seq-len"):
         shard_sequence(torch.zeros(1, 10), 0, 2)
+
+
+def test_a_cp_group_of_one_is_plain_attention_and_bad_inputs_fail_clearly():
+    group = Group("cp", [0], None, device="cpu")
+    q, k, v, _ = _inputs(2 * CHUNK, HEADS // 2)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    for mode in CP_ATTENTION_MODES:
+        assert torch.equal(context_parallel_attention(q, k, v, group, mode=mode), ref)
+    with pytest.raises(ValueError, match="unknown context-parallel attention mode 'ulysses'"):
+        context_parallel_attention(q, k, v, group, mode="ulysses")
+    with pytest.raises(ValueError, match="K/V heads must divide the query heads"):
+        context_parallel_attention(q, k[:, :, :-2], v[:, :, :-2], group)
 
 
 # -- attention over a split sequence, one world per topology -------------------------------------------------
