@@ -83,6 +83,9 @@ def test_round_trip_and_same_ids_as_tokenizers(hf_dir: Path, corpus_files: list[
         assert all(0 <= i < tok.vocab_size for i in ids)
     assert tok.encode(f"x{EOS}")[-1] == tok.eos_id  # a literal special token is that token, as in transformers
     assert tok.encode_batch(texts) == tok.encode_batch(texts, num_threads=2) == [tok.encode(t) for t in texts]
+    renamed = hf_dir.parent / "renamed_tokenizer.model"  # e.g. copied under another name: the content decides
+    renamed.write_bytes((hf_dir / "tokenizer.json").read_bytes())
+    assert isinstance(open_tokenizer(renamed), HFTokenizer) and open_tokenizer(renamed).fingerprint == tok.fingerprint
     clone = pickle.loads(pickle.dumps(tok))
     assert clone.encode(texts[1]) == tok.encode(texts[1]) and clone.fingerprint == tok.fingerprint
 

@@ -350,9 +350,9 @@ def build_datasets(
 def open_tokenizer(path: str | os.PathLike[str]) -> AnyTokenizer:
     """The tokenizer at ``path``, of either kind.
 
-    A ``.json`` file is a Hugging Face ``tokenizer.json``; a directory is read through the ``tokenizer.json``
-    it holds (a Hugging Face model directory), else its ``tokenizer.model``; any other path is a SentencePiece
-    ``.model`` file, loaded exactly as before.
+    A ``.json`` file (or any file whose content is a JSON object) is a Hugging Face ``tokenizer.json``; a
+    directory is read through the ``tokenizer.json`` it holds (a Hugging Face model directory), else its
+    ``tokenizer.model``; any other path is a SentencePiece ``.model`` file, loaded exactly as before.
 
     Raises:
         ValueError: naming the path when it is missing or not a tokenizer of the kind it claims.
@@ -365,9 +365,18 @@ def open_tokenizer(path: str | os.PathLike[str]) -> AnyTokenizer:
             return Tokenizer.from_file(p / "tokenizer.model")
         raise ValueError(f"tokenizer directory {str(p)!r} holds neither {HF_TOKENIZER_FILE} (Hugging Face) nor "
                          "tokenizer.model (SentencePiece); pass --tokenizer FILE")
-    if p.suffix.lower() == ".json":
+    if p.suffix.lower() == ".json" or _is_json_file(p):
         return HFTokenizer(p)
     return Tokenizer.from_file(p)
+
+
+def _is_json_file(path: Path) -> bool:
+    """Whether ``path`` holds a JSON object (a SentencePiece model is a binary protobuf, never ``{...``)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(64).lstrip().startswith(b"{")
+    except OSError:
+        return False
 
 
 def tokenizer_vocab_size(path: str | os.PathLike[str]) -> int:
