@@ -1,18 +1,20 @@
-"""An independent single-process reference trainer: Hugging Face GPT-2, ``torch.optim.AdamW``, ``LambdaLR``.
+"""An independent single-process reference trainer: Hugging Face GPT-2 or Llama, ``torch.optim.AdamW``,
+``LambdaLR``.
 
 It shares with megazero only what the issue allows: the token data (the built-in corpus as megazero
-tokenises it), the initial weights (megazero's initialisation, mapped to GPT-2's names by
+tokenises it), the initial weights (megazero's initialisation, mapped to GPT-2's or Llama's names by
 :mod:`megazero.model.hf`) and the data order as DESIGN.md defines it (the stream of one permutation per
 epoch, seeded ``(seed, epoch)``; global batch ``k`` is stream positions ``k*G .. k*G + G - 1``), which is
 written out here again rather than taken from megazero's sampler. Everything else is plain PyTorch written
-for this file: the model (``transformers.GPT2LMHeadModel``), the loss (one mean cross-entropy over the
+for this file: the model (``transformers.GPT2LMHeadModel`` or ``LlamaForCausalLM``), the loss (one mean cross-entropy over the
 whole global batch), the optimizer (``torch.optim.AdamW``, decay on matrices only), the clipping
 (``torch.nn.utils.clip_grad_norm_``) and the learning-rate schedule (``LambdaLR``: linear warm-up, cosine
 to ``min_lr``, flat after). So a bug in megazero's sampler, loss normalisation, schedule or Adam cannot
 cancel out of a parity test against it.
 
 The hyper-parameters are spelled out in :class:`RefSpec` (defaults: ``tests/common.py``'s ``SMALL_FLAGS``
-with a global batch of 8 and megazero's documented defaults), not read from megazero's config.
+with a global batch of 8 and megazero's documented defaults; :data:`LLAMA` for the Llama run), not read from
+megazero's config.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["RefResult", "RefSpec", "lr_lambda", "reference_batches", "run_reference"]
+__all__ = ["LLAMA", "RefResult", "RefSpec", "lr_lambda", "reference_batches", "run_reference"]
 
 
 @dataclass(frozen=True)
@@ -49,9 +51,28 @@ class RefSpec:
     weight_decay: float = 0.1
     seed: int = 1234
     eval_fraction: float = 0.01
+    arch: str = "gpt2"  # llama: the fields below
+    num_kv_heads: int | None = None
+    ffn_size: int | None = None
+    rope_theta: float = 10000.0
+    tie_embeddings: bool | None = None
 
     def with_(self, **kw) -> RefSpec:
         return replace(self, **kw)
+
+    def model_config(self):
+        """The shape as megazero's ModelConfig (to initialise megazero's weights and name the HF config's fields)."""
+        from megazero.config.schema import ModelConfig
+
+        return ModelConfig(num_layers=self.num_layers, hidden_size=self.hidden_size, num_heads=self.num_heads,
+                           seq_len=self.seq_len, vocab_size=self.vocab_size, arch=self.arch,
+                           num_kv_heads=self.num_kv_heads, ffn_size=self.ffn_size, rope_theta=self.rope_theta,
+                           tie_embeddings=self.tie_embeddings)
+
+
+# tests/test_llama.py's model: 4 layers (pp 2 interleaved needs 4 chunks), 4 query heads on 2 KV heads (one per
+# rank at tp 2), SwiGLU 96, untied; 4 steps (8-rank worlds run it too), the lr decaying over them
+LLAMA = RefSpec(num_layers=4, train_steps=4, arch="llama", num_kv_heads=2, ffn_size=96)
 
 
 @dataclass
@@ -94,24 +115,29 @@ def reference_batches(num_samples: int, spec: RefSpec, steps: int, start: int = 
 
 def _initial_state(spec: RefSpec) -> dict[str, torch.Tensor]:
     """megazero's initial full model (shared by design: every topology starts from it), unpadded."""
-    from megazero.config.schema import ModelConfig
     from megazero.model.gpt import GPT, full_state_dict, init_parameters
 
-    cfg = ModelConfig(num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_heads=spec.num_heads,
-                      seq_len=spec.seq_len, vocab_size=spec.vocab_size)
-    model = GPT(cfg)
+    model = GPT(spec.model_config())
     init_parameters(model, spec.seed)
     return {k: v.clone() for k, v in full_state_dict(model).items()}
 
 
 def _hf_model(spec: RefSpec, state: dict[str, torch.Tensor]):
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-    from megazero.config.schema import ModelConfig
-    from megazero.model.hf import hf_gpt2_config, to_hf_gpt2_state_dict
+    from megazero.model.hf import (
+        hf_gpt2_config,
+        hf_llama_config,
+        to_hf_gpt2_state_dict,
+        to_hf_llama_state_dict,
+    )
 
-    cfg = ModelConfig(num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_heads=spec.num_heads,
-                      seq_len=spec.seq_len, vocab_size=spec.vocab_size)
+    cfg = spec.model_config()
+    if spec.arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**hf_llama_config(cfg, bos_token_id=0, eos_token_id=0),
+                                             attn_implementation="eager"))
+        model.load_state_dict(to_hf_llama_state_dict(state, cfg), strict=True)
+        return model, cfg
     model = GPT2LMHeadModel(GPT2Config(**hf_gpt2_config(cfg, bos_token_id=0, eos_token_id=0),
                                        attn_implementation="eager"))
     missing, unexpected = model.load_state_dict(to_hf_gpt2_state_dict(state, cfg), strict=False)
@@ -121,9 +147,15 @@ def _hf_model(spec: RefSpec, state: dict[str, torch.Tensor]):
 
 def _to_megazero_names(model, cfg) -> dict[str, torch.Tensor]:
     """The reference's weights under megazero's names and layouts (inverse of model/hf.py's map)."""
-    from megazero.model.hf import to_hf_gpt2_tensor
+    from megazero.model.gpt import GPT
+    from megazero.model.hf import from_hf_llama_tensors, to_hf_gpt2_tensor
 
     hf = dict(model.named_parameters())
+    if cfg.arch == "llama":
+        hf["lm_head.weight"] = model.lm_head.weight  # named_parameters lists a tied one once, as the embedding
+        with torch.device("meta"):
+            names = [n for n, _ in GPT(cfg).named_parameters()]
+        return {n: from_hf_llama_tensors(n, hf, cfg).detach().clone() for n in names}
     out = {}
     for name in _initial_names(cfg):
         hf_name, _ = to_hf_gpt2_tensor(name, torch.zeros(1, 1), cfg)

@@ -140,12 +140,15 @@ def test_kv_cache_equals_recomputation(trained) -> None:
     torch.testing.assert_close(model.full_logits(ids[:, 5:6], cache)[0, 0], full[5], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
 @torch.no_grad()
-def test_cached_forward_equals_uncached_at_every_position() -> None:
+def test_cached_forward_equals_uncached_at_every_position(arch) -> None:
     """The model's own forward, fed a prompt and then one, one and three tokens a call through a KV cache, gives
     every position the logits of the forward without a cache over the whole sequence (fp32), as one model and
-    as two pipeline chunks sharing a cache (each appending to its own layers' slots)."""
-    cfg = ModelConfig(num_layers=2, hidden_size=64, num_heads=4, seq_len=32, vocab_size=1000)
+    as two pipeline chunks sharing a cache (each appending to its own layers' slots). Llama's cache holds its 2
+    KV heads (grouped-query attention) and rotary positions continue from the cache's length."""
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_heads=4, seq_len=32, vocab_size=1000, arch=arch,
+                      num_kv_heads=2 if arch == "llama" else None)
     model = GPT(cfg)
     stages = [GPT(cfg, layers=range(0, 1), post_process=False), GPT(cfg, layers=range(1, 2), pre_process=False)]
     for m in (model, *stages):
@@ -163,6 +166,7 @@ def test_cached_forward_equals_uncached_at_every_position() -> None:
             torch.testing.assert_close(torch.cat(got, dim=1), full[:, :end], rtol=1e-5, atol=1e-5,
                                        msg=lambda m, name=name: f"{name}: {m}")
     assert sorted(cache.layers) == [0, 1] and cache.length == 10
+    assert cache.layers[0].k.shape == (2, cfg.kv_heads, cfg.seq_len, cfg.head_dim)
     cache = KVCache(cfg.seq_len)
     model(ids[:1, :2].repeat(1, 15), cache=cache)  # 30 positions
     with pytest.raises(ValueError, match="sequence of 33 tokens exceeds --seq-len 32"):
