@@ -34,6 +34,9 @@ def _cfg(extra: list[str], world: int = 8):
     ["--zero-stage", "2", "--pp-schedule", "interleaved", "--virtual-stages", "2", "--num-layers", "4"],
     ["--zero-stage", "3", "--pp-schedule", "1f1b", "--activation-checkpointing", "full"],
     ["--zero-stage", "2", "--sequence-parallel", "--precision", "bf16", "--activation-checkpointing", "selective"],
+    ["--model", "llama-tiny", "--zero-stage", "3", "--sequence-parallel", "--precision", "bf16"],  # untied head
+    ["--model", "llama-tiny", "--tie-embeddings", "--zero-stage", "1", "--pp-schedule", "interleaved",
+     "--virtual-stages", "2"],
 ])
 def test_every_stage_and_schedule_runs_on_meta(extra, tmp_path):
     cfg = _cfg(extra + ["--log-dir", str(tmp_path)])

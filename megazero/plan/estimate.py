@@ -74,10 +74,12 @@ def rank_parameter_numels(model: ModelConfig, tp_size: int = 1, pp_size: int = 1
                           layout: Sequence[int] | None = None) -> dict[str, int]:
     """Element count of every parameter one rank holds, by the model's parameter name (Ψ_r is their sum).
 
-    The first stage holds the token and position embeddings, the last the final LayerNorm and the tied token
-    embedding (its own copy when pp > 1); column-parallel weights and biases and the vocabulary are split over
-    TP, the rest is replicated in full. With ``virtual_stages`` V > 1 the rank holds chunks ``c * pp + rank``
-    of ``pp * V`` stages, named ``"{c}.{name}"`` as in an ``nn.ModuleList`` of chunks.
+    The first stage holds the token and position embeddings (GPT-2's learned ones), the last the final norm and
+    the output layer: the tied token embedding (its own copy when pp > 1) or the untied ``lm_head``;
+    column-parallel weights and biases and the vocabulary are split over TP, the rest is replicated in full.
+    Llama's blocks have RMSNorm weights, no biases, a fused q/k/v of ``(nh + 2·nkv)·hd`` rows and SwiGLU's gate
+    and up rows in one weight. With ``virtual_stages`` V > 1 the rank holds chunks ``c * pp + rank`` of
+    ``pp * V`` stages, named ``"{c}.{name}"`` as in an ``nn.ModuleList`` of chunks.
     """
     if virtual_stages > 1:
         out: dict[str, int] = {}
@@ -87,18 +89,25 @@ def rank_parameter_numels(model: ModelConfig, tp_size: int = 1, pp_size: int = 1
             out.update({f"{c}.{k}": n for k, n in chunk.items()})
         return out
     h, t = model.hidden_size, tp_size
-    if model.num_heads % t or h % t:
-        raise ValueError(f"--num-heads {model.num_heads} and --hidden-size {h} must be divisible by --tp {t}")
+    if model.num_heads % t or h % t or model.kv_heads % t:
+        raise ValueError(f"--num-heads {model.num_heads}, --num-kv-heads {model.kv_heads} and --hidden-size {h} "
+                         f"must be divisible by --tp {t}")
     layers = stage_layers(model.num_layers, pp_size, layout)[pp_rank] if layers is None else layers
     first, last = pp_rank == 0, pp_rank == pp_size - 1
+    vocab = padded_vocab_size(model.vocab_size, t) // t * h
+    llama = model.arch == "llama"
     out = {}
-    if first or last:
-        out["wte.weight"] = padded_vocab_size(model.vocab_size, t) // t * h
-    if first:
+    if first or (last and model.tied):
+        out["wte.weight"] = vocab
+    if first and not llama:
         out["wpe.weight"] = model.seq_len * h
-    ffn = model.ffn_hidden_size
+    ffn, qkv = model.ffn_hidden_size, h + 2 * model.kv_heads * model.head_dim
     for i in layers:
         p = f"blocks.{i}."
+        if llama:
+            out.update({p + "ln_1.weight": h, p + "attn.qkv.weight": qkv * h // t, p + "attn.proj.weight": h * h // t,
+                        p + "ln_2.weight": h, p + "mlp.fc.weight": 2 * ffn * h // t, p + "mlp.proj.weight": h * ffn // t})
+            continue
         out.update({
             p + "ln_1.weight": h, p + "ln_1.bias": h,
             p + "attn.qkv.weight": 3 * h * h // t, p + "attn.qkv.bias": 3 * h // t,
@@ -109,7 +118,10 @@ def rank_parameter_numels(model: ModelConfig, tp_size: int = 1, pp_size: int = 1
         })
     if last:
         out["ln_f.weight"] = h
-        out["ln_f.bias"] = h
+        if not llama:
+            out["ln_f.bias"] = h
+        if not model.tied:
+            out["lm_head.weight"] = vocab
     return out
 
 

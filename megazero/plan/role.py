@@ -23,6 +23,7 @@ from megazero.distributed import device_io
 from megazero.distributed.context import ParallelContext, RankGrid
 from megazero.distributed.group import Group
 from megazero.model.gpt import GPT
+from megazero.observe.flops import flops_shape
 from megazero.observe.memory import PeakMemoryTracker, zero_buffers
 from megazero.pipeline.p2p_replay import record_p2p
 from megazero.pipeline.partition import stage_specs
@@ -248,7 +249,7 @@ def roofline_seconds(cfg: Config, grid: RankGrid, rank: int, breakdown: dict[tup
                    tp_elements=tp_el, pp_elements=pp_el, dp_grad_elements=grad_el, dp_param_elements=param_el,
                    grad_bytes=2 if t.precision == "fp16" else 4, owned_params=0.0,
                    offload=cfg.zero.offload_optimizer is not None, tp_crosses=crosses["tp"],
-                   pp_crosses=crosses["pp"], dp_crosses=crosses["dp"])
+                   pp_crosses=crosses["pp"], dp_crosses=crosses["dp"], shape=flops_shape(m))
     return st.as_dict()
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from megazero.observe.flops import PEAK_FLOPS, megatron_hardware_flops
 
@@ -179,8 +180,10 @@ def step_time(*, c: Cluster, precision: str, global_batch: int, seq_len: int, nu
               vocab: int, checkpointing: str, tp: int, pp: int, dp: int, micro_batches: int,
               virtual_stages: int, tp_elements: float, pp_elements: float, dp_grad_elements: float,
               dp_param_elements: float, grad_bytes: int, owned_params: float, offload: bool,
-              tp_crosses: bool, pp_crosses: bool, dp_crosses: bool) -> StepTime:
+              tp_crosses: bool, pp_crosses: bool, dp_crosses: bool, shape: dict[str, Any] | None = None) -> StepTime:
     """Estimate one rank's step from the volumes it moves (elements, as the ledger counts them).
+
+    ``shape``: :func:`megazero.observe.flops.flops_shape` of a model other than GPT-2 (GQA, SwiGLU).
 
     ``tp_elements``/``pp_elements``: 16-bit (or fp32) activations per step over TP/PP; ``dp_grad_elements`` at
     ``grad_bytes`` per element, ``dp_param_elements`` at the compute dtype's size; ``owned_params``: the
@@ -190,7 +193,8 @@ def step_time(*, c: Cluster, precision: str, global_batch: int, seq_len: int, nu
     key = "tf32" if precision == "fp32" and "tf32" in c.gpu.peak_flops else precision
     peak = c.gpu.peak_flops.get(key) or c.gpu.peak_flops["fp32"]
     world = tp * pp * dp
-    flops = megatron_hardware_flops(global_batch, seq_len, num_layers, hidden, vocab, checkpointing) / world
+    flops = megatron_hardware_flops(global_batch, seq_len, num_layers, hidden, vocab, checkpointing,
+                                    **(shape or {})) / world
     compute = flops / (peak * c.efficiency)
     bubble = compute * bubble_fraction(pp, micro_batches, virtual_stages)
     tp_s = collective_seconds(tp_elements, e, tp, tp_crosses, c)

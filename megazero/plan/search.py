@@ -18,7 +18,7 @@ from functools import lru_cache
 from megazero.config.precision import ELEMENT_BYTES
 from megazero.config.schema import ModelConfig
 from megazero.distributed.context import RankGrid
-from megazero.observe.flops import megatron_model_flops
+from megazero.observe.flops import flops_shape, megatron_model_flops
 from megazero.pipeline.partition import stage_specs
 from megazero.plan.estimate import in_flight_micro_batches, peak_bytes, rank_parameter_numels
 from megazero.plan.roofline import Cluster, StepTime, group_nodes, mfu, step_time
@@ -145,7 +145,7 @@ def evaluate(model: ModelConfig, lay: Layout, global_batch: int, c: Cluster, pre
                       micro_batches=m, virtual_stages=v, tp_elements=tp_el, pp_elements=pp_el,
                       dp_grad_elements=g, dp_param_elements=p_, grad_bytes=grad_bytes, owned_params=owned,
                       offload=lay.offload, tp_crosses=crosses["tp"], pp_crosses=crosses["pp"],
-                      dp_crosses=crosses["dp"])
+                      dp_crosses=crosses["dp"], shape=flops_shape(model))
         mem = (peak, r, states, acts, other)
         worst_mem = mem if worst_mem is None or peak > worst_mem[0] else worst_mem
         slowest = t if slowest is None or t.total > slowest.total else slowest
@@ -154,7 +154,7 @@ def evaluate(model: ModelConfig, lay: Layout, global_batch: int, c: Cluster, pre
     peak, r, states, acts, other = worst_mem
     t = slowest
     model_flops = megatron_model_flops(global_batch, model.seq_len, model.num_layers, model.hidden_size,
-                                       model.vocab_size)
+                                       model.vocab_size, **flops_shape(model))
     return Plan(lay, peak, r, states, acts, other, *vols, t,
                 mfu(model_flops, t.total, grid.world_size, c, precision), peak <= c.usable_memory_bytes)
 
