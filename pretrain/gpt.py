@@ -6,7 +6,9 @@
     python pretrain/gpt.py --dry-run --tp 8 --dp 16 --model gpt2-1.3b   # every rank role of 128 ranks, no GPU
 
 Runs under torchrun, SLURM (srun) or as a plain process. Configuration errors are reported on every rank
-before any process group exists, so a bad flag never leaves a rank waiting for its peers.
+before any process group exists, so a bad flag never leaves a rank waiting for its peers. Every failure the user
+can fix (a setting, a data file, a checkpoint, a peer that died) is one line per rank on stderr, ``error (rank
+R): ...``, and a non-zero exit; ``--debug`` (or ``MEGAZERO_DEBUG=1``) adds the traceback.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from megazero.config.cli import parse_args
 from megazero.config.schema import ConfigError
 from megazero.distributed.context import ParallelContext, RankGrid, TopologyError
 from megazero.distributed.launch import default_backend, destroy_distributed, detect_env, init_distributed
-from megazero.observe.log import setup_logging
+from megazero.observe.log import debug_requested, report_failure, setup_logging
 from megazero.train.loop import run_training
 
 
@@ -64,6 +66,8 @@ def dry_run_main(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    debug = debug_requested(argv)  # --debug or MEGAZERO_DEBUG=1: failures show their traceback
+    argv = [a for a in argv if a != "--debug"]
     if "--dry-run" in argv:
         return dry_run_main(argv)
     env = detect_env()
@@ -72,21 +76,21 @@ def main(argv: list[str] | None = None) -> int:
         backend = cfg.parallel.backend or default_backend()
         cfg = cfg.resolve(env.world_size, device_type="cuda" if backend == "nccl" else "cpu")
     except (ConfigError, TopologyError) as e:
-        print(f"error (rank {env.rank}): {e}", file=sys.stderr)
-        return 2
-    log = setup_logging(env.rank, env.world_size)
-    init_distributed(backend, cfg.parallel.dist_timeout_s)
+        return report_failure(e, env.rank, debug=debug)
+    setup_logging(env.rank, env.world_size)
+    timeout_s = cfg.parallel.dist_timeout_s
     try:
+        init_distributed(backend, timeout_s)
         ctx = ParallelContext.from_grid(
             RankGrid(env.world_size, cfg.parallel.tp_size, cfg.parallel.pp_size, cfg.parallel.dp_size),
-            timeout_s=cfg.parallel.dist_timeout_s)
+            timeout_s=timeout_s)
         device = torch.device("cuda", env.local_rank) if backend == "nccl" else torch.device("cpu")
         if device.type == "cpu" and env.world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, env.world_size)))
         run_training(cfg, ctx, device)
-    except Exception:
-        log.exception("training failed")
-        return 1
+    except BaseException as e:  # noqa: BLE001 - one line per rank for what the user can fix, a traceback for bugs
+        return report_failure(e, env.rank, world_size=env.world_size, timeout_s=timeout_s, debug=debug,
+                              how_to_debug="--debug")
     finally:
         destroy_distributed()
     return 0

@@ -39,6 +39,7 @@ from megazero.checkpoint.safetensors_io import write_safetensors
 from megazero.checkpoint.store import TOKENIZER
 from megazero.config.schema import ModelConfig
 from megazero.model.hf import hf_gpt2_config, to_hf_gpt2_tensor
+from megazero.observe.log import DEBUG_ENV, debug_requested, report_failure
 
 __all__ = ["build_parser", "convert", "main"]
 
@@ -102,7 +103,8 @@ def convert(step_dir: Path, out: Path, fmt: str = "safetensors", verify: bool = 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tools/convert_checkpoint.py",
-        description="Merge a megazero sharded checkpoint into one fp32 state dict or a Hugging Face GPT-2 model.")
+        description="Merge a megazero sharded checkpoint into one fp32 state dict or a Hugging Face GPT-2 model.",
+        epilog=f"A failure prints one line; {DEBUG_ENV}=1 adds its traceback.")
     parser.add_argument("checkpoint", metavar="CKPT_DIR",
                         help="a --save directory (its latest checkpoint) or one step_N directory")
     parser.add_argument("--step", type=int, help="convert step N of CKPT_DIR instead of its latest")
@@ -125,9 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         if not (step_dir / "manifest.json").is_file():
             raise CheckpointError(f"{step_dir} is not a complete checkpoint (no manifest.json)")
         s = convert(step_dir, Path(args.out), args.format, verify=not args.no_verify)
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except BaseException as e:  # noqa: BLE001 - one line for what the user can fix, a traceback for bugs
+        return report_failure(e, debug=debug_requested())
     print(f"step {s['step']} of {step_dir}: {s['parameters']:,} parameters in {s['tensors']} tensors, saved at "
           f"tp={s['tp']} pp={s['pp']} dp={s['dp']} ZeRO-{s['zero_stage']} {s['precision']} ({s['files']} shard "
           f"files)\nwrote {args.out} ({args.format}, {s['bytes'] / 1e6:.2f} MB) in {s['seconds']:.1f}s")

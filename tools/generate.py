@@ -25,7 +25,9 @@ except ImportError:  # running from a checkout without `pip install -e .`
 
 import torch
 
+from megazero.config.errors import ConfigError
 from megazero.generate import SamplingConfig, generate_ids, load_model, load_tokenizer
+from megazero.observe.log import DEBUG_ENV, debug_requested, report_failure
 
 __all__ = ["build_parser", "main"]
 
@@ -33,7 +35,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tools/generate.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="tools/generate.py", description=__doc__.split("\n\n")[0],
+                                epilog=f"A failure prints one line per rank; {DEBUG_ENV}=1 adds its traceback.")
     p.add_argument("checkpoint", metavar="CKPT", help="--save directory, step_N directory, merged or HF export")
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for several)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt")
@@ -63,9 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
                                   stop_at_eos=not args.no_stop)
         grid = RankGrid.from_world(env.world_size, tp_size=args.tp)
-    except (ValueError, TopologyError) as e:
-        print(f"error (rank {env.rank}): {e}", file=sys.stderr)
-        return 2
+    except (ValueError, TopologyError) as e:  # the sampling settings or --tp
+        return report_failure(ConfigError(str(e)), env.rank)
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     tp_group = None
     if env.world_size > 1:
@@ -85,9 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(json.dumps({"prompt": prompt, "prompt_ids": ids, "ids": new, "text": text}), flush=True)
                 else:
                     print(prompt + text, flush=True)
-    except Exception as e:  # noqa: BLE001 - one clear line on every rank
-        print(f"error (rank {env.rank}): {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+    except BaseException as e:  # noqa: BLE001 - one line per rank for what the user can fix, a traceback for bugs
+        return report_failure(e, env.rank, world_size=env.world_size, debug=debug_requested())
     finally:
         destroy_distributed()
     return 0

@@ -192,6 +192,9 @@ def load_checkpoint(engine: TrainState, sampler: DistributedBatchSampler | None,
     try:
         step_dir = find_checkpoint(path)
         if step_dir is None and not missing_ok:
+            if not Path(path).exists():
+                raise CheckpointError(f"--load {path}: no such directory; pass a --save directory or one of its "
+                                      "step_N directories")
             raise CheckpointError(f"no checkpoint in {path}: no {LATEST} file and no complete step_* directory")
     except Exception as e:  # noqa: BLE001
         error, step_dir = e, None

@@ -13,7 +13,8 @@ one being replaced is moved aside to ``step_X.replaced`` until the new one is co
 
 **Failure handling.** A step that can fail on some ranks only ends in a collective verdict (:func:`agree`):
 *every* rank raises :class:`CheckpointError` with the lowest failing rank's message (naming the file or
-setting at fault), so no rank waits for a peer that has already failed.
+setting at fault), so no rank waits for a peer that has already failed. A failure that is a bug rather than a
+bad file or setting keeps its own exception (and traceback) on the rank where it happened.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from megazero.config.errors import UserError
 from megazero.observe.log import get_logger
 
 if TYPE_CHECKING:
@@ -50,7 +52,7 @@ _STEP_RE = re.compile(r"step_(\d{8})(\.replaced)?$")
 _MSG_BYTES = 4096
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint cannot be written or read; the message names the file or setting at fault."""
 
 
@@ -132,6 +134,7 @@ def agree(ctx: ParallelContext, error: BaseException | None) -> None:
     world = ctx.world_group
     if world.size == 1:
         if error is not None:
+            _raise_bug(error)
             raise CheckpointError(describe(error)) from error
         return
     first = torch.tensor([ctx.rank if error is not None else world.size], dtype=torch.int64, device=world.device)
@@ -146,5 +149,13 @@ def agree(ctx: ParallelContext, error: BaseException | None) -> None:
     buf = buf.to(world.device)
     world.broadcast(buf, src=src, tag="checkpoint")
     msg = bytes(buf.tolist()).rstrip(b"\0").decode(errors="replace")
+    if ctx.rank == src:
+        _raise_bug(error)
     raise CheckpointError(f"{msg} (rank {src})") from error
+
+
+def _raise_bug(error: BaseException) -> None:
+    """Re-raise a failure that is neither the user's nor the file system's: a bug keeps its traceback."""
+    if not isinstance(error, (UserError, OSError)):
+        raise error
 

@@ -1,4 +1,5 @@
-"""Rank-aware logging through one helper: rank 0 logs at INFO, other ranks only warnings and errors.
+"""Rank-aware logging through one helper: rank 0 logs at INFO, other ranks only warnings and errors; and the one
+line an entry point prints for a failure (:func:`report_failure`).
 
 Every line carries the rank, so interleaved output from many processes stays readable.
 """
@@ -6,9 +7,21 @@ Every line carries the rank, so interleaved output from many processes stays rea
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import traceback
+from collections.abc import Sequence
 
-__all__ = ["get_logger", "setup_logging"]
+import torch
+
+from megazero.config.errors import ConfigError, UserError
+from megazero.distributed.context import TopologyError
+from megazero.distributed.failure import announce_failure, explain_peer_failure, is_peer_failure
+
+__all__ = ["DEBUG_ENV", "debug_requested", "get_logger", "report_failure", "setup_logging"]
+
+DEBUG_ENV = "MEGAZERO_DEBUG"  # non-empty and not "0": a failure prints its traceback too
+_SETTINGS = (ConfigError, TopologyError)  # a setting is wrong: the line says all, exit status 2 as argparse
 
 
 def setup_logging(rank: int, world_size: int, level: int = logging.INFO) -> logging.Logger:
@@ -26,3 +39,53 @@ def setup_logging(rank: int, world_size: int, level: int = logging.INFO) -> logg
 
 def get_logger() -> logging.Logger:
     return logging.getLogger("megazero")
+
+
+def debug_requested(argv: Sequence[str] = ()) -> bool:
+    """``--debug`` among ``argv`` or ``MEGAZERO_DEBUG`` set (not to "0"): failures show their traceback."""
+    return "--debug" in argv or os.environ.get(DEBUG_ENV, "0") not in ("", "0")
+
+
+def _one_line(e: BaseException) -> str | None:
+    """The message of a failure the user can act on, or None for a bug (it keeps its traceback)."""
+    if isinstance(e, (UserError, *_SETTINGS)):
+        return str(e)
+    if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
+        first = (str(e).strip().splitlines() or [""])[0]
+        return (f"out of memory ({first[:200]}): lower --micro-batch-size (keeping --global-batch-size), use "
+                "--activation-checkpointing full, a higher --zero-stage or more ranks; tools/estimate_memory.py "
+                "shows what a rank needs")
+    if isinstance(e, OSError):  # a file, directory or disk: what the user gave or has
+        return f"{type(e).__name__}: {e}"
+    if isinstance(e, KeyboardInterrupt):
+        return "interrupted"
+    return None
+
+
+def report_failure(e: BaseException, rank: int | None = None, *, world_size: int = 1, timeout_s: float = 300.0,
+                   debug: bool = False, how_to_debug: str = f"{DEBUG_ENV}=1") -> int:
+    """Print ``e`` as one line on this rank's stderr and return the exit status for it.
+
+    A :class:`~megazero.config.errors.UserError` (and an ``OSError``, out of memory, Ctrl-C) is one line,
+    ``error (rank R): message``, with its traceback only when ``debug``; a broken collective becomes a line
+    naming the peer that failed or stopped (:func:`~megazero.distributed.failure.explain_peer_failure`); any
+    other exception is a bug and prints its traceback before the line. In a world of several ranks the line is
+    posted to the job's store too, so that the peers can name this rank. Exit status: 2 for settings
+    (``ConfigError``, ``TopologyError``: as argparse), 130 for Ctrl-C, else 1.
+    """
+    if world_size > 1 and is_peer_failure(e):
+        e = explain_peer_failure(e, rank or 0, world_size, timeout_s)
+    line = _one_line(e)
+    if line is None or debug:
+        traceback.print_exception(e, file=sys.stderr)
+    if line is None:
+        line = f"unexpected {type(e).__name__}: {e} (a bug: the traceback above shows where; please report it)"
+    elif not debug and not isinstance(e, (*_SETTINGS, KeyboardInterrupt)):
+        line += f" [traceback: {how_to_debug}]"
+    prefix = "error: " if rank is None else f"error (rank {rank}): "
+    if world_size > 1:
+        announce_failure(rank or 0, line)
+    print(prefix + line, file=sys.stderr, flush=True)
+    if isinstance(e, KeyboardInterrupt):
+        return 130
+    return 2 if isinstance(e, _SETTINGS) else 1

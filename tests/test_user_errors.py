@@ -1,0 +1,115 @@
+"""What a user sees when something they can fix goes wrong: one line per rank on stderr, no traceback, a non-zero
+exit (tests run the real ``pretrain/gpt.py``, several at once to keep the wall time down); a peer that died
+named as such."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import launch
+from tests.common import SMALL_FLAGS, train_runs
+from tests.dist import run_world
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT = str(ROOT / "pretrain" / "gpt.py")
+FOUR = ["--micro-batch-size", "4", "--train-steps", "4", "--lr-decay-steps", "6", "--dist-timeout", "20"]
+
+
+def _start(args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, GPT, *args], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _finish(procs: dict[str, subprocess.Popen], timeout: float = 240) -> dict[str, tuple[int, str, str]]:
+    """Wait for every process (started together: the imports overlap); kill what is left of each group."""
+    out = {}
+    try:
+        for name, p in procs.items():
+            o, e = p.communicate(timeout=timeout)
+            out[name] = (p.returncode, o, e)
+    finally:
+        for p in procs.values():
+            launch.kill_group(p)
+    return out
+
+
+def assert_one_line(result: tuple[int, str, str], rank: int, *needles: str) -> str:
+    """The whole stderr is one line ``error (rank R): ...`` holding every needle; the exit status is not 0."""
+    code, out, err = result
+    lines = err.splitlines()
+    assert code not in (0, None) and len(lines) == 1 and "Traceback" not in err, (code, err[-3000:], out[-1000:])
+    assert lines[0].startswith(f"error (rank {rank}): "), lines[0]
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def saved(data_cache, tmp_path_factory):
+    """A checkpoint of steps 2 and 4 saved at dp 2 (global batch 8 = micro 4 x dp 2), and its losses."""
+    root = tmp_path_factory.mktemp("user_errors")
+    runs = [[*FOUR, "--save", str(root / "ck"), "--save-interval", "2"]]
+    [[(losses, _)], _] = run_world(train_runs, 2, runs, data_cache, str(root / "logs"))
+    return root, losses
+
+
+def test_errors_are_one_line_per_rank_without_traceback(saved, subprocess_env, tmp_path):
+    """Started together: --load of a missing directory, a deleted shard, a truncated shard, another model size;
+    the same with --debug (the traceback, then the line); two ranks under torchrun (each worker's stderr in its
+    own file: one line each, none repeated)."""
+    root, _ = saved
+    for name in ("deleted", "truncated"):
+        shutil.copytree(root / "ck", tmp_path / name)
+    os.remove(tmp_path / "deleted" / "step_00000004" / "rank_00000.safetensors")
+    shard = tmp_path / "truncated" / "step_00000004" / "rank_00000.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    base = [*SMALL_FLAGS, *FOUR, "--train-steps", "5", "--log-dir", str(tmp_path / "log")]
+    missing = ["--load", str(tmp_path / "nonexistent")]
+    cases = {"missing": missing, "debug": [*missing, "--debug"],
+             "deleted": ["--load", str(tmp_path / "deleted")],
+             "truncated": ["--load", str(tmp_path / "truncated")],
+             "size": ["--load", str(root / "ck"), "--hidden-size", "128"]}
+    procs = {name: _start([*base, *flags], subprocess_env) for name, flags in cases.items()}
+    logs = tmp_path / "torchrun"
+    procs["torchrun"] = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--log-dir",
+         str(logs), "--redirects", "3", GPT, *base, *missing], env=subprocess_env, cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    r = _finish(procs)
+    assert_one_line(r["missing"], 0, "nonexistent: no such directory", "[traceback: --debug]")
+    assert_one_line(r["deleted"], 0, "rank_00000.safetensors is missing", "load another checkpoint")
+    assert_one_line(r["truncated"], 0, "rank_00000.safetensors is corrupt")
+    assert_one_line(r["size"], 0, "--hidden-size 128 != checkpoint's 64")
+    code, _, err = r["debug"]
+    assert code == 1 and "Traceback" in err and err.splitlines()[-1].startswith("error (rank 0): --load "), err
+    assert r["torchrun"][0] != 0
+    for rank in range(2):
+        [err_file] = logs.glob(f"*/attempt_0/{rank}/stderr.log")
+        assert_one_line((1, "", err_file.read_text()), rank, "no such directory")
+
+
+def test_peer_failure_names_the_rank(monkeypatch):
+    """A rank whose collective broke reads the job's store: a peer that posted its own error is quoted, one that
+    posted nothing is named as having stopped (unit test of megazero.distributed.failure over a HashStore)."""
+    import torch.distributed as dist
+
+    from megazero.distributed import failure
+
+    store = dist.HashStore()
+    monkeypatch.setattr(failure, "_store", lambda timeout_s: store)
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:7083: Connection reset by peer")
+    assert failure.is_peer_failure(gloo) and not failure.is_peer_failure(ValueError("Connection reset by peer"))
+    silent = str(failure.explain_peer_failure(gloo, 0, 3, timeout_s=30, grace_s=0.2))
+    assert silent.startswith("ranks 1, 2 stopped responding: one of them closed its connection"), silent
+    failure.announce_failure(2, "data path 'x' does not exist")
+    said = str(failure.explain_peer_failure(gloo, 0, 3, timeout_s=30, grace_s=0.2))
+    assert said.startswith("rank 2 failed first (data path 'x' does not exist)"), said
+    store = dist.HashStore()  # a fresh job: the lambda above reads this name
+    hung = failure.explain_peer_failure(RuntimeError("Timed out waiting 5000ms for recv operation"), 1, 2, 5, 0.2)
+    assert "rank 0 stopped responding: it did not answer within --dist-timeout 5 s" in str(hung), hung
