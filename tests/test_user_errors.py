@@ -1,6 +1,6 @@
 """What a user sees when something they can fix goes wrong: one line per rank on stderr, no traceback, a non-zero
 exit (tests run the real ``pretrain/gpt.py``, several at once to keep the wall time down); a peer that died
-named as such."""
+named as such; ``--load auto`` past a damaged checkpoint."""
 
 from __future__ import annotations
 
@@ -113,3 +113,33 @@ def test_peer_failure_names_the_rank(monkeypatch):
     store = dist.HashStore()  # a fresh job: the lambda above reads this name
     hung = failure.explain_peer_failure(RuntimeError("Timed out waiting 5000ms for recv operation"), 1, 2, 5, 0.2)
     assert "rank 0 stopped responding: it did not answer within --dist-timeout 5 s" in str(hung), hung
+
+
+def _fallback(ctx, cache: str, log_dir: str, damaged: str) -> tuple[str, list[float]]:
+    """Loading the damaged step by name refuses; --load auto trains from the older checkpoint."""
+    try:
+        train_runs(ctx, [[*FOUR, "--load", f"{damaged}/step_00000004"]], cache, log_dir)
+        refused = "loaded"
+    except Exception as e:  # noqa: BLE001 - the refusal is what the test reads
+        refused = f"{type(e).__name__}: {e}"
+    [(losses, _)] = train_runs(ctx, [[*FOUR, "--train-steps", "6", "--load", "auto", "--save", damaged]], cache,
+                               log_dir)
+    return refused, losses
+
+
+def test_load_auto_skips_a_damaged_checkpoint(saved, data_cache, tmp_path):
+    """Step 4's shard of rank 1 is corrupt (rank 1 verifies that file, both skip it): --load auto resumes from
+    step 2 with the same step-3 loss as the run that saved it, and then saves step 4 afresh. Loading a
+    damaged step by name still refuses."""
+    root, losses = saved
+    damaged = tmp_path / "ck"
+    shutil.copytree(root / "ck", damaged)
+    shard = damaged / "step_00000004" / "rank_00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-10] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    results = run_world(_fallback, 2, data_cache, str(tmp_path / "logs"), str(damaged))
+    for refused, resumed in results:
+        assert len(resumed) == 4 and resumed[:2] == losses[2:], (resumed, losses)  # steps 3-6, from step 2
+        assert "CheckpointError" in refused and "rank_00001.safetensors is corrupt" in refused, refused
+    assert (damaged / "latest").read_text() == "step_00000006\n"

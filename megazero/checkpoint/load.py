@@ -22,7 +22,16 @@ import torch
 
 from megazero.checkpoint.canonical import FORMAT, KINDS, VERSION, TrainState, named_params
 from megazero.checkpoint.safetensors_io import SafetensorsFile, sha256_file
-from megazero.checkpoint.store import LATEST, MANIFEST, TOKENIZER, CheckpointError, agree, find_checkpoint
+from megazero.checkpoint.store import (
+    LATEST,
+    MANIFEST,
+    TOKENIZER,
+    CheckpointError,
+    agree,
+    find_checkpoint,
+    first_failure,
+    list_checkpoints,
+)
 from megazero.config.schema import ModelConfig
 from megazero.observe.log import get_logger
 from megazero.tensor_parallel.layers import ShardSpec, shard_full_tensor
@@ -31,7 +40,7 @@ if TYPE_CHECKING:
     from megazero.data import DistributedBatchSampler, Tokenizer
     from megazero.distributed.context import ParallelContext
 
-__all__ = ["CheckpointReader", "load_checkpoint"]
+__all__ = ["CheckpointReader", "load_checkpoint", "verify_checkpoint"]
 
 # the resolved architecture (ModelConfig fields and properties) a checkpoint must share with the run
 _ARCH_FLAGS = {"arch": "--arch", "num_layers": "--num-layers", "hidden_size": "--hidden-size",
@@ -178,35 +187,76 @@ def _rng_source(manifest: dict[str, Any], ctx: ParallelContext) -> tuple[int, in
     return 0, min(same_tp) if same_tp else -1
 
 
+def verify_checkpoint(ctx: ParallelContext, step_dir: Path) -> str | None:
+    """Collective: why ``step_dir`` is damaged (its manifest unreadable, a file missing, truncated or not matching
+    its SHA-256), or None when every file matches the manifest. Each rank hashes every world_size-th file."""
+    error: BaseException | None = None
+    try:
+        reader = CheckpointReader(step_dir)
+        for name in sorted(reader.manifest["files"])[ctx.rank::ctx.world_size]:
+            reader.file(name)
+        if ctx.rank == 0:
+            reader.tokenizer_path()
+    except Exception as e:  # noqa: BLE001 - a verdict every rank reads
+        error = e
+    return first_failure(ctx, error)
+
+
+def _candidates(path: str | os.PathLike, fallback: bool, missing_ok: bool) -> list[Path]:
+    """The step directories to try for ``path``: the one it names, then (``fallback``) the older complete ones."""
+    first = find_checkpoint(path)
+    if first is None:
+        if missing_ok:
+            return []
+        if not Path(path).exists():
+            raise CheckpointError(f"--load {path}: no such directory; pass a --save directory or one of its "
+                                  "step_N directories")
+        raise CheckpointError(f"no checkpoint in {path}: no {LATEST} file and no complete step_* directory")
+    older = [d for _, d in reversed(list_checkpoints(path)) if d != first] if fallback else []
+    return [first, *older]
+
+
 def load_checkpoint(engine: TrainState, sampler: DistributedBatchSampler | None, path: str | os.PathLike,
-                    tokenizer: Tokenizer | None = None, missing_ok: bool = False) -> dict[str, Any] | None:
+                    tokenizer: Tokenizer | None = None, missing_ok: bool = False,
+                    fallback: bool = False) -> dict[str, Any] | None:
     """Restore ``engine`` and ``sampler`` from the checkpoint at ``path`` (a step directory, or a ``--save``
     directory: its ``latest``), at this run's topology, precision and ZeRO stage.
 
     A collective over the world. Returns the manifest, or None when ``missing_ok`` and there is no checkpoint
-    (``--load auto`` on a first start). Raises :class:`CheckpointError` on every rank if any rank fails.
+    (``--load auto`` on a first start). With ``fallback`` (``--load auto``) every file of the checkpoint is
+    verified first, and a damaged one (a file missing, truncated or corrupt) is skipped with a warning for the
+    newest older one that verifies. Raises :class:`CheckpointError` on every rank if any rank fails.
     """
     ctx, opt, start = engine.ctx, engine.optimizer, time.perf_counter()
     error: BaseException | None = None
     manifest = values = rng = None
+    candidates: list[Path] = []
     try:
-        step_dir = find_checkpoint(path)
-        if step_dir is None and not missing_ok:
-            if not Path(path).exists():
-                raise CheckpointError(f"--load {path}: no such directory; pass a --save directory or one of its "
-                                      "step_N directories")
-            raise CheckpointError(f"no checkpoint in {path}: no {LATEST} file and no complete step_* directory")
+        candidates = _candidates(path, fallback, missing_ok)
     except Exception as e:  # noqa: BLE001
-        error, step_dir = e, None
+        error = e
     agree(ctx, error)
-    found = torch.tensor([int(step_dir is not None)], dtype=torch.int64, device=ctx.world_group.device)
-    ctx.world_group.all_reduce(found, tag="checkpoint")
-    if 0 < found.item() < ctx.world_size:
-        raise CheckpointError(f"ranks disagree on whether {path} holds a checkpoint; it must be on a shared filesystem")
+    counts = torch.tensor([len(candidates), -len(candidates)], dtype=torch.int64, device=ctx.world_group.device)
+    ctx.world_group.all_reduce(counts, op="max", tag="checkpoint")
+    if int(counts[0]) != -int(counts[1]):
+        raise CheckpointError(f"ranks see different checkpoints under {path}; it must be on a shared filesystem")
+    step_dir, verified = (candidates[0] if candidates else None), False
+    if fallback and candidates:
+        skipped = []
+        for step_dir in candidates:
+            why = verify_checkpoint(ctx, step_dir)
+            if why is None:
+                verified = True
+                break
+            skipped.append(f"{step_dir.name}: {why}")
+            get_logger().warning("--load auto: skipping damaged checkpoint %s: %s", step_dir, why)
+        if not verified:
+            raise CheckpointError(f"--load auto: every checkpoint under {path} is damaged ({'; '.join(skipped)}); "
+                                  "restore a file or start afresh with another --save directory")
     if step_dir is None:
         return None
     try:
-        reader = CheckpointReader(step_dir)
+        reader = CheckpointReader(step_dir, verify=not verified)
         manifest = reader.manifest
         _check_compatible(reader, engine.cfg, tokenizer)
         if sampler is not None and manifest["sampler"] is not None:

@@ -41,6 +41,7 @@ __all__ = [
     "agree",
     "describe",
     "find_checkpoint",
+    "first_failure",
     "list_checkpoints",
     "prepare_step_dir",
     "prune",
@@ -128,30 +129,43 @@ def describe(e: BaseException) -> str:
     return str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
 
 
-def agree(ctx: ParallelContext, error: BaseException | None) -> None:
-    """Collective: if any rank failed, every rank raises :class:`CheckpointError` with the lowest failing
-    rank's message (a world all-reduce plus, on failure, a broadcast of the message)."""
+def first_failure(ctx: ParallelContext, error: BaseException | None) -> str | None:
+    """Collective: None if no rank failed, else the lowest failing rank's message (with ``(rank r)`` in a world of
+    several ranks): a world all-reduce plus, on failure, a broadcast of the message. A failure that is a bug
+    rather than a bad file or setting re-raises on its rank (keeping its traceback) and raises
+    :class:`CheckpointError` on the others."""
     world = ctx.world_group
     if world.size == 1:
-        if error is not None:
-            _raise_bug(error)
-            raise CheckpointError(describe(error)) from error
-        return
+        if error is None:
+            return None
+        _raise_bug(error)
+        return describe(error)
     first = torch.tensor([ctx.rank if error is not None else world.size], dtype=torch.int64, device=world.device)
     world.all_reduce(first, op="min", tag="checkpoint")
     src = int(first.item())
     if src == world.size:
-        return
+        return None
     buf = torch.zeros(_MSG_BYTES, dtype=torch.uint8)
     if ctx.rank == src:
-        data = describe(error).encode()[:_MSG_BYTES]
+        data = (b"U" if isinstance(error, (UserError, OSError)) else b"B") + describe(error).encode()
+        data = data[:_MSG_BYTES]
         buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     buf = buf.to(world.device)
     world.broadcast(buf, src=src, tag="checkpoint")
-    msg = bytes(buf.tolist()).rstrip(b"\0").decode(errors="replace")
+    text = bytes(buf.tolist()).rstrip(b"\0").decode(errors="replace")
     if ctx.rank == src:
         _raise_bug(error)
-    raise CheckpointError(f"{msg} (rank {src})") from error
+    if text[0] == "B":
+        raise CheckpointError(f"{text[1:]} (rank {src})") from error
+    return f"{text[1:]} (rank {src})"
+
+
+def agree(ctx: ParallelContext, error: BaseException | None) -> None:
+    """Collective: if any rank failed, every rank raises :class:`CheckpointError` with the lowest failing
+    rank's message (:func:`first_failure`)."""
+    msg = first_failure(ctx, error)
+    if msg is not None:
+        raise CheckpointError(msg) from error
 
 
 def _raise_bug(error: BaseException) -> None:

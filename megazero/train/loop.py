@@ -138,7 +138,8 @@ def run_training(cfg: Config, ctx: ParallelContext, device: torch.device | None 
              len(train_ds), m.seq_len)
     if t.load is not None:  # auto: the newest checkpoint under --save, if any (a torchrun restart)
         auto = t.load == "auto"
-        if load_checkpoint(engine, sampler, t.save if auto else t.load, tokenizer, missing_ok=auto) is None:
+        if load_checkpoint(engine, sampler, t.save if auto else t.load, tokenizer, missing_ok=auto,
+                           fallback=auto) is None:
             log.info("--load auto: no checkpoint under %s yet, starting from step 0", t.save)
     engine.check_tied_embeddings()
     prompts = read_prompts(cfg.logging.sample_prompts) if cfg.logging.sample_prompts else []
