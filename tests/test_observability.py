@@ -268,6 +268,20 @@ def test_megatron_flops_mfu_and_hfu_by_hand(monkeypatch):
     assert peak_flops_per_device("fp32", device="cpu") == 100e12
 
 
+def test_flops_count_gqa_swiglu_and_the_untied_head():
+    """Llama 3 8B: every matmul weight (all parameters but the embedding lookup and the RMSNorm weights) costs
+    6 FLOPs per token in training, attention's QKᵀ and AV 12·l·h·s more (Megatron-LM's full-square count)."""
+    from megazero.observe.flops import flops_shape, megatron_hardware_flops, megatron_model_flops
+
+    m = model_preset("llama-3-8b")
+    s, n, h, v = m.seq_len, m.num_layers, m.hidden_size, m.vocab_size
+    matmul = m.num_parameters() - v * h - (2 * n + 1) * h
+    want = 6 * matmul * s + 12 * n * h * s * s
+    assert megatron_model_flops(1, s, n, h, v, **flops_shape(m)) == pytest.approx(want, rel=1e-12)
+    full = megatron_hardware_flops(1, s, n, h, v, "full", **flops_shape(m))
+    assert full == pytest.approx(want + 2 * (matmul - v * h) * s + 4 * n * h * s * s, rel=1e-12)  # + 1 forward
+
+
 def test_zero_paper_figures():
     """7.5B parameters, Nd = 64, mixed precision with Adam and 16-bit gradients: 120 / 31.4 / 16.6 / 1.9 GB (ZeRO
     paper, Fig. 1); bf16's default fp32 gradients: 18Ψ = 135 GB at stage 0, 2Ψ + 16Ψ/Nd = 16.9 GB at stage 2."""
