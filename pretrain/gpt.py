@@ -30,6 +30,7 @@ from megazero.distributed.context import ParallelContext, RankGrid, TopologyErro
 from megazero.distributed.launch import default_backend, destroy_distributed, detect_env, init_distributed
 from megazero.observe.log import debug_requested, report_failure, setup_logging
 from megazero.train.loop import run_training
+from megazero.train.resume import micro_batch_given, resolve_for_resume
 
 
 def dry_run_main(argv: list[str]) -> int:
@@ -74,10 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(argv)
         backend = cfg.parallel.backend or default_backend()
-        cfg = cfg.resolve(env.world_size, device_type="cuda" if backend == "nccl" else "cpu")
+        cfg, resumed = resolve_for_resume(cfg, env.world_size, "cuda" if backend == "nccl" else "cpu",
+                                          micro_given=micro_batch_given(argv, cfg))
     except (ConfigError, TopologyError) as e:
         return report_failure(e, env.rank, debug=debug)
-    setup_logging(env.rank, env.world_size)
+    log = setup_logging(env.rank, env.world_size)
+    if resumed:  # the checkpoint's global batch kept, or a given one that differs from it
+        (log.warning if resumed.startswith("--global-batch-size") else log.info)(resumed)
     timeout_s = cfg.parallel.dist_timeout_s
     try:
         init_distributed(backend, timeout_s)

@@ -1,6 +1,6 @@
 """What a user sees when something they can fix goes wrong: one line per rank on stderr, no traceback, a non-zero
 exit (tests run the real ``pretrain/gpt.py``, several at once to keep the wall time down); a peer that died
-named as such; ``--load auto`` past a damaged checkpoint."""
+named as such; ``--load auto`` past a damaged checkpoint; a resumed run that keeps its global batch."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from megazero.config.cli import parse_args
+from megazero.config.errors import ConfigError
 from tests import launch
 from tests.common import SMALL_FLAGS, train_runs
 from tests.dist import run_world
@@ -52,7 +54,7 @@ def assert_one_line(result: tuple[int, str, str], rank: int, *needles: str) -> s
 
 @pytest.fixture(scope="module")
 def saved(data_cache, tmp_path_factory):
-    """A checkpoint of steps 2 and 4 saved at dp 2 (global batch 8 = micro 4 x dp 2), and its losses."""
+    """A checkpoint of steps 2 and 4 saved at dp 2 (global batch 8 = micro 4 x dp 2), and each rank's losses."""
     root = tmp_path_factory.mktemp("user_errors")
     runs = [[*FOUR, "--save", str(root / "ck"), "--save-interval", "2"]]
     [[(losses, _)], _] = run_world(train_runs, 2, runs, data_cache, str(root / "logs"))
@@ -62,7 +64,8 @@ def saved(data_cache, tmp_path_factory):
 def test_errors_are_one_line_per_rank_without_traceback(saved, subprocess_env, tmp_path):
     """Started together: --load of a missing directory, a deleted shard, a truncated shard, another model size;
     the same with --debug (the traceback, then the line); two ranks under torchrun (each worker's stderr in its
-    own file: one line each, none repeated)."""
+    own file: one line each, none repeated); and a good resume at dp 1 of the dp-2 checkpoint, which keeps its
+    global batch."""
     root, _ = saved
     for name in ("deleted", "truncated"):
         shutil.copytree(root / "ck", tmp_path / name)
@@ -74,7 +77,8 @@ def test_errors_are_one_line_per_rank_without_traceback(saved, subprocess_env, t
     cases = {"missing": missing, "debug": [*missing, "--debug"],
              "deleted": ["--load", str(tmp_path / "deleted")],
              "truncated": ["--load", str(tmp_path / "truncated")],
-             "size": ["--load", str(root / "ck"), "--hidden-size", "128"]}
+             "size": ["--load", str(root / "ck"), "--hidden-size", "128"],
+             "resume": ["--load", str(root / "ck"), "--log-dir", str(tmp_path / "ok")]}
     procs = {name: _start([*base, *flags], subprocess_env) for name, flags in cases.items()}
     logs = tmp_path / "torchrun"
     procs["torchrun"] = subprocess.Popen(
@@ -92,6 +96,9 @@ def test_errors_are_one_line_per_rank_without_traceback(saved, subprocess_env, t
     for rank in range(2):
         [err_file] = logs.glob(f"*/attempt_0/{rank}/stderr.log")
         assert_one_line((1, "", err_file.read_text()), rank, "no such directory")
+    code, out, err = r["resume"]
+    assert code == 0 and "Traceback" not in err, err[-3000:]
+    assert "resuming with the checkpoint's global batch 8 = micro 4 x accumulation 2 x dp 1" in out, out
 
 
 def test_peer_failure_names_the_rank(monkeypatch):
@@ -143,3 +150,27 @@ def test_load_auto_skips_a_damaged_checkpoint(saved, data_cache, tmp_path):
         assert len(resumed) == 4 and resumed[:2] == losses[2:], (resumed, losses)  # steps 3-6, from step 2
         assert "CheckpointError" in refused and "rank_00001.safetensors is corrupt" in refused, refused
     assert (damaged / "latest").read_text() == "step_00000006\n"
+
+
+def test_resume_keeps_the_checkpoint_global_batch(saved):
+    """Saved at dp 2 with global batch 8: resolved at another world size without --global-batch-size, the run
+    keeps 8 (the micro-batch shrinks where it must); a given, different global batch is kept and reported."""
+    from megazero.train.resume import resolve_for_resume
+
+    ck = str(saved[0] / "ck")
+    flags = [*SMALL_FLAGS, "--load", ck]
+    for world, micro, accum in ((1, 8, 1), (4, 2, 1)):
+        cfg, said = resolve_for_resume(parse_args(flags), world)
+        t = cfg.training
+        assert (t.global_batch_size, t.micro_batch_size, t.gradient_accumulation_steps) == (8, micro, accum)
+        assert said.startswith(f"resuming with the checkpoint's global batch 8 = micro {micro}"), said
+    cfg, said = resolve_for_resume(parse_args([*flags, "--micro-batch-size", "2"]), 1, micro_given=True)
+    assert (cfg.training.micro_batch_size, cfg.training.gradient_accumulation_steps) == (2, 4)
+    cfg, said = resolve_for_resume(parse_args([*flags, "--global-batch-size", "16"]), 1)
+    assert cfg.training.global_batch_size == 16 and said.startswith("--global-batch-size 16 differs"), said
+    with pytest.raises(ConfigError, match="--micro-batch-size 16 x dp 1 does not divide"):
+        resolve_for_resume(parse_args(flags), 1, micro_given=True)
+    with pytest.raises(ConfigError, match="dp 3 does not divide"):
+        resolve_for_resume(parse_args(flags), 3)
+    cfg, said = resolve_for_resume(parse_args(SMALL_FLAGS), 2)  # no --load: resolution as ever
+    assert cfg.training.global_batch_size == 32 and said is None
