@@ -1,9 +1,12 @@
 """What a user sees when something they can fix goes wrong: one line per rank on stderr, no traceback, a non-zero
 exit (tests run the real ``pretrain/gpt.py``, several at once to keep the wall time down); a peer that died
-named as such; ``--load auto`` past a damaged checkpoint; a resumed run that keeps its global batch."""
+named as such; ``--load auto`` past a damaged checkpoint; a resumed run that keeps its global batch; ``--help``
+defaults of every tool."""
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -174,3 +177,32 @@ def test_resume_keeps_the_checkpoint_global_batch(saved):
         resolve_for_resume(parse_args(flags), 3)
     cfg, said = resolve_for_resume(parse_args(SMALL_FLAGS), 2)  # no --load: resolution as ever
     assert cfg.training.global_batch_size == 32 and said is None
+
+
+def _tool_parser(name: str, monkeypatch):
+    spec = importlib.util.spec_from_file_location(f"_tool_{name}", ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    if hasattr(module, "build_parser"):
+        return module.build_parser()
+    captured = []  # a tool that builds its parser inside main(): caught at parse time
+
+    def grab(self, *args, **kwargs):
+        captured.append(self)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", grab)
+    with pytest.raises(SystemExit):
+        module.main([])
+    return captured[0]
+
+
+@pytest.mark.parametrize("name", ["generate", "convert_checkpoint", "estimate_memory", "plan", "plot_metrics",
+                                  "mutation_check"])
+def test_tool_help_shows_every_default(name, monkeypatch):
+    """Every option of every tool whose default is a value says it in --help."""
+    parser = _tool_parser(name, monkeypatch)
+    for action in parser._actions:
+        if action.default not in (None, False, "==SUPPRESS==") and action.option_strings:
+            assert "default" in (action.help or ""), f"{name} {action.option_strings[0]}: {action.help!r}"

@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--step", type=int, help="convert step N of CKPT_DIR instead of its latest")
     parser.add_argument("--out", required=True, metavar="OUT", help="output directory")
     parser.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
-                        help="megazero names (default) or a Hugging Face GPT-2 directory")
+                        help="megazero names or a Hugging Face GPT-2 directory (default: %(default)s)")
     parser.add_argument("--no-verify", action="store_true", help="skip the SHA-256 check of the shard files")
     return parser
 

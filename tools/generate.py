@@ -3,7 +3,7 @@
     python tools/generate.py runs/ckpt --prompt "def main(" --max-new-tokens 64            # sampled
     python tools/generate.py runs/ckpt --prompt "import os" --temperature 0                # greedy
     python tools/generate.py hf_export/ --prompt "class " --top-k 50 --top-p 0.9 --temperature 0.8
-    torchrun --nproc-per-node 2 tools/generate.py runs/ckpt --tp 2 --prompt "x = "          # TP layers
+    torchrun --nproc-per-node 2 tools/generate.py runs/ckpt --tp 2 --prompt "x = " --temperature 0   # TP, greedy
 
 Decodes with a KV cache (``--no-cache`` re-runs the whole sequence each token) on CPU or GPU; under torchrun
 the model is split over ``--tp`` ranks with megazero's tensor-parallel layers (each rank reads only its shard
@@ -39,16 +39,20 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog=f"A failure prints one line per rank; {DEBUG_ENV}=1 adds its traceback.")
     p.add_argument("checkpoint", metavar="CKPT", help="--save directory, step_N directory, merged or HF export")
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for several)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt")
-    p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 disables")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 disables")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="tokens to generate per prompt (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature; 0 is greedy (default: %(default)s, which samples)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample among the k likeliest tokens; 0 disables (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 disables (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     p.add_argument("--step", type=int, help="load step N of a --save directory instead of its latest")
     p.add_argument("--tokenizer", metavar="MODEL", help="SentencePiece .model (default: the checkpoint's)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size under torchrun")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size under torchrun (default: %(default)s)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: CUDA when available (default: %(default)s)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="compute dtype (default: %(default)s)")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence for every token")
     p.add_argument("--no-stop", action="store_true", help="keep going after the end-of-sequence token")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")

@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ref", default="HEAD", help="git ref of this repository to mutate (default HEAD)")
     ap.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutations")
     ap.add_argument("--baseline", action="store_true", help="first run each mutation's tests unmutated")
-    ap.add_argument("--timeout", type=float, default=900, help="seconds per pytest run")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per pytest run (default %(default)s)")
     ap.add_argument("--list", action="store_true", help="list the mutations and exit")
     args = ap.parse_args(argv)
     chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]

@@ -46,9 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("run")
     g.add_argument("--gpus", type=int, required=True, help="GPUs in the run")
     g.add_argument("--global-batch-size", type=int, required=True, help="sequences per optimizer step")
-    g.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
-    g.add_argument("--micro-batch-sizes", default="1,2,4,8,16", help="candidates, comma-separated")
-    g.add_argument("--zero-stages", default="0,1,2,3", help="candidates, comma-separated")
+    g.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16",
+                   help="compute precision (default %(default)s)")
+    g.add_argument("--micro-batch-sizes", default="1,2,4,8,16", help="candidates, comma-separated (default "
+                   "%(default)s)")
+    g.add_argument("--zero-stages", default="0,1,2,3", help="candidates, comma-separated (default %(default)s)")
     g = p.add_argument_group("hardware (defaults from the GPU table; each overridable)")
     g.add_argument("--gpu", default="h100", choices=tuple(GPUS), help="GPU model (default h100 = SXM 80GB)")
     g.add_argument("--gpus-per-node", type=int, help="GPUs per node (default 8)")

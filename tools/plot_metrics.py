@@ -33,8 +33,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from megazero.observe.dashboard import memory_series, rank_peaks  # noqa: E402
 
-__all__ = ["load_records", "main", "plot_loss", "plot_memory", "plot_memory_by_category", "plot_peak_by_rank",
-           "plot_throughput"]
+__all__ = ["build_parser", "load_records", "main", "plot_loss", "plot_memory", "plot_memory_by_category",
+           "plot_peak_by_rank", "plot_throughput"]
 
 BREAKDOWN = (("params_bytes", "params"), ("grads_bytes", "grads"), ("master_params_bytes", "master params"),
              ("optimizer_states_bytes", "optimizer states"), ("activation_peak_bytes", "activations (peak)"))
@@ -195,12 +195,17 @@ def plot_throughput(records: list[dict[str, Any]], out: Path) -> Path:
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Read LOG_DIR's metrics.jsonl and write the PNGs; prints their paths."""
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tools/plot_metrics.py", description=__doc__.split("\n\n")[0])
     p.add_argument("log_dir", help="a run's --log-dir (or its metrics.jsonl)")
     p.add_argument("--out", help="output directory (default: LOG_DIR/plots)")
     p.add_argument("--step", type=int, help="step whose per-rank memory to plot (default: the last logged)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Read LOG_DIR's metrics.jsonl and write the PNGs; prints their paths."""
+    p = build_parser()
     args = p.parse_args(argv)
     try:
         records = load_records(args.log_dir)
