@@ -204,8 +204,10 @@ def test_wandb_offline_run_holds_per_rank_memory_series(world):
     topology, runs = world
     cfg, records, log_dir = runs[WANDB_RUN[1]]
     [run_file] = list((log_dir / "wandb").glob("offline-run-*/run-*.wandb"))
-    history, config = [], {}
+    history, config, names = [], {}, set()
     for rec in _wandb_records(run_file):
+        if rec.HasField("run"):
+            names.add(rec.run.display_name)
         if rec.HasField("history"):
             history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                             for item in rec.history.item})
@@ -230,6 +232,7 @@ def test_wandb_offline_run_holds_per_rank_memory_series(world):
             assert last[key] == pytest.approx(value) and last[key] > 0, (key, last[key], value)
     assert last["loss"] == pytest.approx(records[-1]["loss"]) and "tokens_per_s" in last
     assert config["topology"]["dp"] == 2 and config["zero"]["stage"] == 3 and config["model"]["hidden_size"] == 64
+    assert names == {"tiny-tp1-pp1-dp2-zero3-bf16"}, names  # the run is named (the log line said "None")
 
 
 @pytest.mark.parametrize("world", ["tp2-dp2"], indirect=True)

@@ -65,6 +65,7 @@ def test_default_run_learns(subprocess_env, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["loss"] > 6.5 and records[-1]["loss"] < records[0]["loss"] - 2.0, records[-1]["loss"]
     assert records[-1]["eval_loss"] < 5.0
+    assert "checkpoint: nothing saved; pass --save DIR to keep the model" in r.stdout, r.stdout[-2000:]
 
 
 @pytest.mark.parametrize("args, message", [

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -81,7 +83,8 @@ def test_errors_are_one_line_per_rank_without_traceback(saved, subprocess_env, t
              "deleted": ["--load", str(tmp_path / "deleted")],
              "truncated": ["--load", str(tmp_path / "truncated")],
              "size": ["--load", str(root / "ck"), "--hidden-size", "128"],
-             "resume": ["--load", str(root / "ck"), "--log-dir", str(tmp_path / "ok")]}
+             "resume": ["--load", str(root / "ck"), "--log-dir", str(tmp_path / "ok"), "--train-steps", "7",
+                        "--log-interval", "1", "--save", str(tmp_path / "ok" / "ck")]}
     procs = {name: _start([*base, *flags], subprocess_env) for name, flags in cases.items()}
     logs = tmp_path / "torchrun"
     procs["torchrun"] = subprocess.Popen(
@@ -102,6 +105,22 @@ def test_errors_are_one_line_per_rank_without_traceback(saved, subprocess_env, t
     code, out, err = r["resume"]
     assert code == 0 and "Traceback" not in err, err[-3000:]
     assert "resuming with the checkpoint's global batch 8 = micro 4 x accumulation 2 x dp 1" in out, out
+    _assert_run_says_what_it_did(out, tmp_path / "ok", first=5, last=7)
+
+
+def _assert_run_says_what_it_did(out: str, log_dir: Path, first: int, last: int) -> None:
+    """Console tok/s = metrics.jsonl's tokens_per_s at each step; no ETA at the first step (its warm-up would
+    skew it), one after; the end names the metrics file and the checkpoint with the commands that read them."""
+    records = {rec["step"]: rec for rec in map(json.loads, (log_dir / "metrics.jsonl").read_text().splitlines())}
+    lines = {int(m.group(1)): m for m in re.finditer(r"step (\d+)/\d+ .* ([\d,]+) tok/s( ETA \d+s)?$", out, re.M)}
+    assert sorted(lines) == sorted(records) == list(range(first, last + 1)), out
+    for step, m in lines.items():
+        assert m.group(2) == f"{records[step]['tokens_per_s']:,.0f}", (m.group(0), records[step]["tokens_per_s"])
+        assert (m.group(3) is None) == (step == first), m.group(0)
+    assert f"metrics: {log_dir / 'metrics.jsonl'}; plot them: python tools/plot_metrics.py {log_dir}" in out, out
+    ck = log_dir / "ck"
+    assert f"checkpoint: {ck / f'step_{last:08d}'}; generate: python tools/generate.py {ck} --prompt" in out, out
+    assert f"python tools/convert_checkpoint.py {ck} --out {ck}-hf --format hf" in out, out
 
 
 def test_peer_failure_names_the_rank(monkeypatch):

@@ -15,6 +15,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -70,20 +71,23 @@ def _init_wandb(cfg: Config, ctx: ParallelContext) -> Any | None:
     ranks = [dict(zip(("pp_rank", "dp_rank", "tp_rank"), ctx.grid.coords(r))) for r in range(ctx.world_size)]
     topology = {"tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size, "world_size": ctx.world_size,
                 "ranks": ranks}  # rank r of the memory/rank{r}/ series sits at ranks[r]
+    name = (f"{cfg.model_preset}-tp{ctx.tp_size}-pp{ctx.pp_size}-dp{ctx.dp_size}-zero{cfg.zero.stage}-"
+            f"{cfg.training.precision}")
     run = wandb.init(
-        project=cfg.logging.wandb_project, mode=mode, dir=cfg.logging.log_dir,
+        project=cfg.logging.wandb_project, mode=mode, dir=cfg.logging.log_dir, name=name,
         config={**dataclasses.asdict(cfg), "topology": topology},
     )
     run.define_metric("memory/*", summary="max")  # the dashboard's run table then shows each rank's peak
-    get_logger().info("W&B run %s (%s mode) in %s", run.name, mode, run.dir)
+    get_logger().info("W&B run %s (id %s, %s mode) in %s", run.name or name, run.id, mode, run.dir)
     return run
 
 
-def _step_record(cfg: Config, ctx: ParallelContext, engine: Engine, res: StepResult, step_seconds: float,
+def _step_record(cfg: Config, ctx: ParallelContext, engine: Engine, res: StepResult, pace: tuple[int, float],
                  eval_loss: float | None, peak: StepPeak | None = None) -> dict[str, Any] | None:
     """Gather every rank's memory and comm records (a collective) and build the metrics.jsonl object on rank 0.
 
-    ``peak`` is what :class:`~megazero.observe.memory.PeakMemoryTracker` measured during this step (logged steps).
+    ``pace`` is (tokens, seconds) of the steps the speed figures average over; ``peak`` what
+    :class:`~megazero.observe.memory.PeakMemoryTracker` measured during this step (logged steps).
     """
     memory = rank_memory_record(ctx.coords(), engine.optimizer.model_state_bytes(), engine.activation_peak_bytes,
                                 engine.device, peak)
@@ -93,7 +97,7 @@ def _step_record(cfg: Config, ctx: ParallelContext, engine: Engine, res: StepRes
     if ctx.rank != 0:
         return None
     m = cfg.model
-    speed = throughput(res.tokens, m.seq_len, step_seconds, ctx.world_size, m.num_layers, m.hidden_size,
+    speed = throughput(pace[0], m.seq_len, pace[1], ctx.world_size, m.num_layers, m.hidden_size,
                        engine.padded_vocab_size, cfg.activation_checkpointing.mode,
                        peak_flops_per_device(cfg.training.precision, engine.device, cfg.training.peak_tflops),
                        **flops_shape(m))
@@ -114,6 +118,20 @@ def _eval_batches(cfg: Config, ctx: ParallelContext, eval_ds) -> list[list[tuple
     sampler = DistributedBatchSampler(len(eval_ds), t.global_batch_size, t.micro_batch_size, ctx.dp_rank,
                                       ctx.dp_size, seed=t.seed, shuffle=False)
     return [[collate(eval_ds, idx) for idx in sampler.next_global_batch()] for _ in range(n_batches)]
+
+
+def _say_what_was_written(cfg: Config, metrics: Path, saved: Path | None) -> None:
+    """The end of a run: where its metrics and checkpoint went, and the commands that read them (rank 0)."""
+    log = get_logger()
+    log.info("metrics: %s; plot them: python tools/plot_metrics.py %s", metrics, metrics.parent)
+    if saved is None:
+        log.info("checkpoint: nothing saved; pass --save DIR to keep the model (then tools/generate.py and "
+                 "tools/convert_checkpoint.py read it)")
+        return
+    root = saved.parent
+    log.info("checkpoint: %s; generate: python tools/generate.py %s --prompt \"def \" --temperature 0; "
+             "export to Hugging Face: python tools/convert_checkpoint.py %s --out %s-hf --format hf",
+             saved, root, root, root)
 
 
 def run_training(cfg: Config, ctx: ParallelContext, device: torch.device | None = None,
@@ -152,12 +170,14 @@ def run_training(cfg: Config, ctx: ParallelContext, device: torch.device | None 
         bar = tqdm(total=t.train_steps, initial=engine.step, desc="train", unit="step", dynamic_ncols=True)
     summary = TrainSummary()
     start = time.perf_counter()
-    interval_start, interval_tokens = start, 0
     first = engine.step + 1  # after a resume, the step after the checkpoint's
+    first_done: float | None = None  # when step `first` ended: the ETA leaves out its warm-up
+    saved = None
     # the peak of live tensors by category, measured on logged steps only (it slows the step it measures, so
-    # a tracked step's speed figures come from the last untracked step, where there is one)
+    # the speed figures, console and metrics.jsonl alike, average the untracked steps since the last record,
+    # where there are any)
     peak_tracker = PeakMemoryTracker(engine.device, lambda: zero_buffers(engine.optimizer), engine.chunks)
-    untracked_seconds: float | None = None
+    pace_tokens, pace_seconds = 0, 0.0
     try:
         for step in range(first, t.train_steps + 1):
             step_start = time.perf_counter()
@@ -170,10 +190,9 @@ def run_training(cfg: Config, ctx: ParallelContext, device: torch.device | None 
             faults.maybe_inject_fault("step", ctx.rank, step)
             step_seconds = time.perf_counter() - step_start
             if not tracked:
-                untracked_seconds = step_seconds
+                pace_tokens, pace_seconds = pace_tokens + res.tokens, pace_seconds + step_seconds
             summary.losses.append(res.loss)
             summary.tokens += res.tokens
-            interval_tokens += res.tokens
             eval_loss = None
             if eval_batches and (step % t.eval_interval == 0 or step == t.train_steps):
                 eval_loss = sum(engine.eval_loss(b) for b in eval_batches) / len(eval_batches)
@@ -185,30 +204,35 @@ def run_training(cfg: Config, ctx: ParallelContext, device: torch.device | None 
                 summary.samples.append((step, samples))
             engine.optimizer.check_skipped_steps(step)  # non-finite gradient norms: skipped, stop after too many
             if logged or samples:
-                record = _step_record(cfg, ctx, engine, res, untracked_seconds or step_seconds, eval_loss,
+                pace = (pace_tokens, pace_seconds) if pace_seconds > 0 else (res.tokens, step_seconds)
+                record = _step_record(cfg, ctx, engine, res, pace, eval_loss,
                                       peak_tracker.result() if tracked else None)
+                pace_tokens, pace_seconds = 0, 0.0
                 if record is not None:
                     if samples:
                         record["samples"] = samples
                         for smp in samples:
                             log.info("sample at step %d: %r -> %r", step, smp["prompt"], smp["text"])
                     writer.write(record)
-                    now = time.perf_counter()
-                    tok_s = interval_tokens / (now - interval_start)
-                    interval_start, interval_tokens = now, 0
-                    eta = (now - start) / (step - first + 1) * (t.train_steps - step)
+                    eta = ""  # from the steps after the first (warm-up, a tracked step), wall time per step
+                    if first_done is not None:
+                        per_step = (time.perf_counter() - first_done) / (step - first)
+                        eta = f" ETA {per_step * (t.train_steps - step):.0f}s"
                     msg = (f"step {step}/{t.train_steps} loss {res.loss:.4f}"
                            + (f" eval {eval_loss:.4f}" if eval_loss is not None else "")
-                           + f" lr {res.lr:.2e} grad_norm {res.grad_norm:.3f} {tok_s:,.0f} tok/s ETA {eta:.0f}s")
+                           + f" lr {res.lr:.2e} grad_norm {res.grad_norm:.3f} {record['tokens_per_s']:,.0f} tok/s"
+                           + eta)
                     if bar is not None:
                         bar.write(msg)
                     else:
                         log.info(msg)
             if t.save is not None and (step == t.train_steps or (t.save_interval and step % t.save_interval == 0)):
-                save_checkpoint(engine, sampler, t.save, tokenizer, t.keep_last)
+                saved = save_checkpoint(engine, sampler, t.save, tokenizer, t.keep_last)
             if bar is not None:
                 bar.set_postfix(loss=f"{res.loss:.3f}", lr=f"{res.lr:.1e}")
                 bar.update(1)
+            if step == first:
+                first_done = time.perf_counter()
     finally:
         if bar is not None:
             bar.close()
@@ -216,10 +240,13 @@ def run_training(cfg: Config, ctx: ParallelContext, device: torch.device | None 
     engine.check_tied_embeddings()
     summary.seconds = time.perf_counter() - start
     if summary.losses:
-        log.info("trained steps %d-%d in %.1fs (%s tokens); loss %.4f -> %.4f", first, t.train_steps,
-                 summary.seconds, f"{summary.tokens:,}", summary.losses[0], summary.losses[-1])
+        evaluated = (f", eval loss {summary.eval_losses[-1][1]:.4f} at step {summary.eval_losses[-1][0]}"
+                     if summary.eval_losses else "")
+        log.info("trained steps %d-%d in %.1fs (%s tokens); loss %.4f -> %.4f%s", first, t.train_steps,
+                 summary.seconds, f"{summary.tokens:,}", summary.losses[0], summary.losses[-1], evaluated)
     else:
         log.info("nothing to train: resumed at step %d of --train-steps %d", engine.step, t.train_steps)
+    _say_what_was_written(cfg, writer.path, saved)
     if keep_final_state:
         summary.final_state = engine.full_state_dict()
     return summary
