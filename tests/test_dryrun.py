@@ -107,6 +107,7 @@ def test_command_line(tmp_path):
                          timeout=300, env={**os.environ, "PYTHONPATH": root})
     assert out.returncode == 0, out.stderr[-2000:]
     assert "verdict: fits" in out.stdout and (tmp_path / "dryrun.json").exists()
+    assert out.stderr == "", out.stderr[-2000:]  # no torch warnings before the table ("No backend of type 0")
 
 
 def test_host_seam_is_scoped_and_tells_meta_storages_apart():

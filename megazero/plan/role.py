@@ -196,6 +196,8 @@ def run_role(cfg: Config, grid: RankGrid, rank: int, c: Cluster | None = None) -
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group(DRY_BACKEND, store=FakeStore(), rank=rank, world_size=grid.world_size)
+    # the fake backend is a custom one: say so, or tearing the group down warns "No backend of type 0 found"
+    dist.group.WORLD._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
     try:
         device = torch.device("meta")
         ctx = ParallelContext.from_grid(grid, device=device, group_cls=_DryGroup)  # devices checked against meta
