@@ -78,6 +78,48 @@ def test_accepted_configs_warn_as_promised() -> None:
     assert (hf.zero.offload_param, hf.zero.offload_param_pin_memory) == ("cpu", True)
 
 
+def test_keys_without_effect_at_the_stage_are_ignored_as_deepspeed_ignores_them(tmp_path) -> None:
+    """The Trainer's ZeRO-2 example with a stage-3 `offload_param` (DeepSpeed 0.19.8 accepts it, see its
+    verdict): accepted, the key dropped with a warning; so are stage3_* keys at stage 2 and offload_optimizer
+    at stage 0. The flag --offload-param below stage 3 still refuses (the user asked for it)."""
+    path = FIXTURES / "hf_trainer_zero2_offload_param.json"
+    verdict, error, warned = megazero_verdict(path)
+    assert verdict == "accept", error
+    said = [w for w in warned if "no effect at ZeRO stage 2" in w]
+    assert len(said) == 1 and "`zero_optimization.offload_param.device` = \"cpu\"" in said[0], warned
+    cfg = parse_args(["--deepspeed-config", str(path)]).resolve(1)
+    assert (cfg.zero.stage, cfg.zero.offload_param, cfg.zero.offload_optimizer) == (2, None, "cpu")
+    auto = json.loads(path.read_text())
+    auto["zero_optimization"]["stage"] = "auto"
+    (tmp_path / "auto.json").write_text(json.dumps(auto))
+    with_flag = parse_args(["--deepspeed-config", str(tmp_path / "auto.json"), "--zero-stage", "3"]).resolve(1)
+    assert with_flag.zero.offload_param == "cpu"  # at stage 3 it counts
+    other = tmp_path / "stage0.json"
+    other.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {
+        "stage": 0, "offload_optimizer": {"device": "cpu"}, "stage3_prefetch_bucket_size": 100}}))
+    verdict, error, warned = megazero_verdict(other)
+    assert verdict == "accept" and any("`zero_optimization.stage3_prefetch_bucket_size` = 100 have no effect at "
+                                       "ZeRO stage 0" in w for w in warned), (error, warned)
+    with pytest.raises(ConfigError, match="offload_param needs ZeRO stage 3"):
+        parse_args(["--offload-param", "--zero-stage", "2"]).resolve(1)
+
+
+def test_steps_per_print_yields_to_log_interval() -> None:
+    """steps_per_print only sets how often DeepSpeed prints: without a flag it sets the log interval, beside an
+    explicit --log-interval it yields with a warning (it was refused as a contradiction); a setting that
+    changes training still refuses."""
+    path = str(FIXTURES / "steps_per_print.json")
+    assert parse_args(["--deepspeed-config", path]).resolve(1).logging.log_interval == 2000
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        cfg = parse_args(["--deepspeed-config", path, "--log-interval", "1"]).resolve(1)
+    assert cfg.logging.log_interval == 1
+    assert any("`--log-interval 1` takes precedence over the DeepSpeed config's `steps_per_print` = 2000" in
+               str(w.message) for w in record), [str(w.message) for w in record]
+    with pytest.raises(ConfigError, match="contradicts the DeepSpeed config"):
+        parse_args(["--deepspeed-config", path, "--lr", "1e-3"])
+
+
 def _train_fixtures(ctx, cache: str, log_dir: str) -> dict[str, list[float]]:
     from megazero.train.loop import run_training
 

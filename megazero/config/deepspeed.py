@@ -87,20 +87,46 @@ def merge_with_flags(ds: DeepSpeedSettings, explicit: Mapping[str, Any], flags: 
                      file: str) -> dict[str, Any]:
     """Setting values: DeepSpeed defaults < the file < explicit flags; a flag contradicting the file raises.
 
-    ``explicit`` maps setting paths to the values the user typed, ``flags`` setting paths to flag names.
+    ``explicit`` maps setting paths to the values the user typed, ``flags`` setting paths to flag names. A
+    cosmetic key (``steps_per_print``, DeepSpeed's print cadence) yields to a flag with a warning instead. Keys
+    DeepSpeed reads only from some ZeRO stage on (``offload_optimizer`` from 1, ``offload_param`` and
+    ``stage3_*`` at 3) are dropped with a warning below it, as DeepSpeed accepts and ignores them there.
     """
-    def contradiction(path: str, value: Any, source: str) -> ConfigError:
+    def contradiction(path: str, value: Any, source: str) -> ConfigError:  # a setting that changes training
         return ConfigError(f"`{flags.get(path, path)} {value}` contradicts the DeepSpeed config {file}: "
                            f'{source}. Make them agree, drop the flag, or set the key to "auto" to take the flag')
 
     for path, value in ds.values.items():
         if path in explicit and explicit[path] != value:
-            raise contradiction(path, explicit[path], ds.sources[path])
+            if path not in _COSMETIC:
+                raise contradiction(path, explicit[path], ds.sources[path])
+            _warn(f"`{flags.get(path, path)} {explicit[path]}` takes precedence over the DeepSpeed config's "
+                  f"{ds.sources[path]}, which only sets how often DeepSpeed prints")
     for path, value, source in ds.excluded:
         if path in explicit and explicit[path] == value:
             raise contradiction(path, value, source)
-    return {**ds.implied, **ds.values, **explicit}
+    merged = {**ds.implied, **ds.values, **explicit}
+    stage = merged.get("zero.stage") or 0
+    # DeepSpeed reads offload_optimizer from stage 1 on and offload_param and stage3_* at stage 3 only
+    unused = [p for p, need in _MIN_STAGE.items() if stage < need and p in ds.values and p not in explicit]
+    said = [ds.sources[p] for p in unused if ds.values[p] not in (None, False)]
+    for path in unused:
+        del merged[path]
+    if said:
+        _warn(f"{', '.join(said)} {'has' if len(said) == 1 else 'have'} no effect at ZeRO stage {stage} and "
+              f"{'is' if len(said) == 1 else 'are'} ignored, as DeepSpeed ignores "
+              f"{'it' if len(said) == 1 else 'them'} (offload_optimizer needs stage 1 or more, offload_param and "
+              "stage3_* need stage 3)")
+    return merged
 
+
+# Settings that change nothing in training: an explicit flag wins over the file's value, with a warning.
+_COSMETIC = frozenset({"logging.log_interval"})
+# Settings DeepSpeed reads from this ZeRO stage on: below it, a file's value is dropped with a warning.
+_MIN_STAGE = {"zero.offload_optimizer": 1, "zero.offload_optimizer_pin_memory": 1, "zero.offload_param": 3,
+              "zero.offload_param_pin_memory": 3, "zero.stage3_prefetch_bucket_size": 3,
+              "zero.stage3_param_persistence_threshold": 3, "zero.stage3_max_live_parameters": 3,
+              "zero.stage3_max_reuse_distance": 3}
 
 
 def _classify(block: Mapping[str, Any], prefix: str) -> None:
