@@ -87,3 +87,37 @@ def test_wandb_dashboard_and_plots_from_metrics(tmp_path, monkeypatch) -> None:
     assert plot.main([str(tmp_path), "--out", str(tmp_path / "png")]) == 0
     for name in ("memory_by_category.png", "peak_by_rank.png"):
         assert (tmp_path / "png" / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def _plot_tool():
+    spec = importlib.util.spec_from_file_location("_plot_metrics", ROOT / "tools" / "plot_metrics.py")
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    return plot
+
+
+@pytest.mark.parametrize("n_steps", [3, 3000])
+def test_memory_by_category_is_readable(n_steps) -> None:
+    """Only categories with data get a panel; a flat series sits on an axis from zero (3.59 MiB was drawn on a
+    3.40-3.75 axis); ranks with the same series are one line "ranks 0-3" (they hid each other), different ones
+    stay apart; dots only where there are few points."""
+    plot = _plot_tool()
+    records = []
+    for step in range(1, n_steps + 1):
+        mem = [{"rank": r, "params_bytes": 3_764_000, "master_params_bytes": 0, "grads_bytes": None,
+                "optimizer_states_bytes": 2**20 * (1 + (r == 5)), "host_rss_bytes": 2**28 + 2**20 * r + step}
+               for r in range(6)]
+        records.append({"step": step, "memory": mem})
+    fig = plot.memory_by_category_figure(records)
+    panels = {ax.get_title(): ax for ax in fig.axes if ax.axison}
+    assert set(panels) == {"parameters", "optimizer states", "host RSS"}  # no master copy, no gradients
+    params = panels["parameters"]
+    assert params.get_ylim()[0] == 0 and 3.59 < params.get_ylim()[1] < 4.2 and params.get_ylabel() == "MiB"
+    assert [t.get_text() for t in params.get_legend().get_texts()] == ["ranks 0-5"]
+    assert [t.get_text() for t in panels["optimizer states"].get_legend().get_texts()] == ["ranks 0-4", "rank 5"]
+    assert len(panels["host RSS"].get_lines()) == 6  # every rank differs: one line each
+    assert {line.get_marker() for line in params.get_lines()} == ({"."} if n_steps <= 60 else {"None"})
+    assert plot._rank_label([0, 1, 4, 6, 7]) == "ranks 0-1, 4, 6-7"
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)

@@ -8,7 +8,8 @@ model-state breakdown -- params, grads, master params, optimizer states -- stack
 and beside it what the device allocator, or on CPU the process's resident memory, measured) and
 ``throughput.png`` (tokens/s, TFLOP/s per GPU, MFU and HFU where the peak FLOP/s is known), and the memory
 dashboard the W&B run builds (:mod:`megazero.observe.dashboard`): ``memory_by_category.png`` (one panel per memory
-category, measured peak and its breakdown included where recorded, one line per rank over the steps) and
+category that holds data, measured peak and its breakdown included where recorded, one line per group of ranks
+with the same series -- "ranks 0-3" -- over the steps, each axis from zero) and
 ``peak_by_rank.png`` (each rank's peak at the plotted step).
 """
 
@@ -30,11 +31,12 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from megazero.observe.dashboard import memory_series, rank_peaks  # noqa: E402
 
-__all__ = ["build_parser", "load_records", "main", "plot_loss", "plot_memory", "plot_memory_by_category",
-           "plot_peak_by_rank", "plot_throughput"]
+__all__ = ["build_parser", "load_records", "main", "memory_by_category_figure", "plot_loss", "plot_memory",
+           "plot_memory_by_category", "plot_peak_by_rank", "plot_throughput"]
 
 BREAKDOWN = (("params_bytes", "params"), ("grads_bytes", "grads"), ("master_params_bytes", "master params"),
              ("optimizer_states_bytes", "optimizer states"), ("activation_peak_bytes", "activations (peak)"))
@@ -65,14 +67,44 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def _marker(n_points: int) -> str | None:
+    """Dots on a line of a few points (3 points read as a line otherwise); none on a long one (3,000 points)."""
+    return "." if n_points <= 60 else None
+
+
+def _steps_axis(ax: Any) -> None:
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers: no 2.5
+
+
+def _rank_label(ranks: list[int]) -> str:
+    """``rank 3``, ``ranks 0-3``, ``ranks 0-1, 4, 6-7``."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    text = ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
+
+
+def _same_series(ranks: dict[int, list[float | None]]) -> list[tuple[list[int], list[float | None]]]:
+    """Ranks whose series are identical, as one group each (by first rank), so that none hides another."""
+    groups: dict[tuple, list[int]] = {}
+    for rank, vals in sorted(ranks.items()):
+        groups.setdefault(tuple(vals), []).append(rank)
+    return [(members, list(vals)) for vals, members in groups.items()]
+
+
 def plot_loss(records: list[dict[str, Any]], out: Path) -> Path:
     """Training loss per logged step, with the evaluation loss as markers."""
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(*_series(records, "loss"), label="train loss", marker=".")
+    ax.plot(*_series(records, "loss"), label="train loss", marker=_marker(len(records)))
     steps, evals = _series(records, "eval_loss")
     if steps:
         ax.plot(steps, evals, label="eval loss", marker="o", linestyle="--")
     ax.set(xlabel="step", ylabel="loss (token-weighted, global batch)", title="Loss")
+    _steps_axis(ax)
     ax.grid(alpha=0.3)
     ax.legend()
     path = out / "loss.png"
@@ -96,6 +128,8 @@ def plot_memory(record: dict[str, Any], out: Path) -> Path:
     bottom = [0.0] * len(ranks)
     for key, name in BREAKDOWN:
         vals = [(m.get(key) or 0) / div for m in ranks]
+        if not any(vals):  # e.g. no master copy in fp32: nothing to stack or to name
+            continue
         ax1.bar(x, vals, bottom=bottom, label=name)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax1.set(xticks=list(x), xlabel="rank (tp, pp, dp)", ylabel=unit, ylim=(0, 1.4 * max(bottom) or 1),
@@ -127,7 +161,17 @@ def plot_memory(record: dict[str, Any], out: Path) -> Path:
 
 
 def plot_memory_by_category(records: list[dict[str, Any]], out: Path) -> Path:
-    """One panel per memory category, one line per rank over the logged steps (the W&B dashboard's charts)."""
+    """One panel per memory category that holds data, one line per group of ranks with the same series over the
+    logged steps (the W&B dashboard's charts); each axis starts at zero, so a flat series reads as flat."""
+    fig = memory_by_category_figure(records)
+    path = out / "memory_by_category.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def memory_by_category_figure(records: list[dict[str, Any]]) -> Any:
+    """The figure of :func:`plot_memory_by_category`."""
     series = memory_series(records)
     if not series:
         raise ValueError("no record holds per-rank memory")
@@ -135,20 +179,25 @@ def plot_memory_by_category(records: list[dict[str, Any]], out: Path) -> Path:
     rows = -(-len(series) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.3 * rows), squeeze=False)
     for ax, s in zip(axes.flat, series.values()):
-        div, unit = _unit(max((v or 0) for vals in s["ranks"].values() for v in vals))
-        for rank, vals in sorted(s["ranks"].items()):
+        top = max((v or 0) for vals in s["ranks"].values() for v in vals)
+        div, unit = _unit(top)
+        groups = _same_series(s["ranks"])
+        for members, vals in groups:
             pts = [(x, v / div) for x, v in zip(s["steps"], vals) if v is not None]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=f"rank {rank}")
-        ax.set(title=s["title"], xlabel="step", ylabel=unit)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=_marker(len(pts)), label=_rank_label(members),
+                    linewidth=1.5 if len(groups) <= 8 else 0.7)
+        ax.set(title=s["title"], xlabel="step", ylabel=unit, ylim=(0, 1.15 * top / div))
+        _steps_axis(ax)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if len(groups) <= 8:
+            ax.legend(fontsize=7, loc="lower right")
+        else:
+            ax.text(0.99, 0.02, f"{len(s['ranks'])} ranks, {len(groups)} different series", fontsize=7,
+                    ha="right", va="bottom", transform=ax.transAxes)
     for ax in list(axes.flat)[len(series):]:
         ax.axis("off")
-    path = out / "memory_by_category.png"
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def plot_peak_by_rank(record: dict[str, Any], out: Path) -> Path:
@@ -169,25 +218,29 @@ def plot_peak_by_rank(record: dict[str, Any], out: Path) -> Path:
 def plot_throughput(records: list[dict[str, Any]], out: Path) -> Path:
     """Tokens/s, TFLOP/s per GPU, and MFU/HFU (in %) per logged step."""
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    axes[0].plot(*_series(records, "tokens_per_s"), marker=".")
+    marker = _marker(len(records))
+    axes[0].plot(*_series(records, "tokens_per_s"), marker=marker)
     axes[0].set(title="Throughput", ylabel="tokens/s")
-    axes[1].plot(*_series(records, "tflops_per_gpu"), marker=".")
+    axes[1].plot(*_series(records, "tflops_per_gpu"), marker=marker)
     axes[1].set(title="Model TFLOP/s per GPU", ylabel="TFLOP/s")
     drawn = False
     for key in ("mfu", "hfu"):
         steps, vals = _series(records, key)
         if steps:
-            axes[2].plot(steps, [100 * v for v in vals], marker=".", label=key.upper())
+            axes[2].plot(steps, [100 * v for v in vals], marker=marker, label=key.upper())
             drawn = True
-    if drawn:
-        axes[2].legend()
-    else:
-        axes[2].text(0.5, 0.5, "MFU n/a: peak FLOP/s unknown\n(set MEGAZERO_PEAK_TFLOPS)", ha="center",
-                     va="center", transform=axes[2].transAxes)
     axes[2].set(title="MFU / HFU", ylabel="% of peak")
     for ax in axes:
         ax.set(xlabel="step")
+        ax.set_ylim(bottom=0)
+        _steps_axis(ax)
         ax.grid(alpha=0.3)
+    if drawn:
+        axes[2].legend()
+    else:  # no empty axes to read: just why
+        axes[2].axis("off")
+        axes[2].text(0.5, 0.5, "MFU / HFU n/a: this device's peak FLOP/s\nis unknown (pass --peak-tflops)",
+                     ha="center", va="center", transform=axes[2].transAxes)
     path = out / "throughput.png"
     fig.tight_layout()
     fig.savefig(path, dpi=120)

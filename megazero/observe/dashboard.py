@@ -35,7 +35,8 @@ def _values(rec: dict[str, Any]) -> dict[str, float]:
 
 
 def memory_series(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per category measured in any record: ``{"title", "steps": [...], "ranks": {rank: [bytes or None]}}``."""
+    """Per category measured in any record and not zero throughout (no master copy in fp32, say):
+    ``{"title", "steps": [...], "ranks": {rank: [bytes or None]}}``."""
     steps = [r["step"] for r in records if r.get("memory")]
     out: dict[str, dict[str, Any]] = {}
     for i, r in enumerate([r for r in records if r.get("memory")]):
@@ -44,7 +45,7 @@ def memory_series(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 title = CATEGORIES.get(key) or f"peak: {key.split('/', 1)[1]}"
                 s = out.setdefault(key, {"title": title, "steps": steps, "ranks": {}})
                 s["ranks"].setdefault(m["rank"], [None] * len(steps))[i] = v
-    return out
+    return {k: s for k, s in out.items() if any(v for vals in s["ranks"].values() for v in vals)}
 
 
 def rank_peaks(record: dict[str, Any]) -> tuple[list[tuple[int, float]], str]:
