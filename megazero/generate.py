@@ -12,8 +12,8 @@ tokens from the previous stage and sends its own to the next; the last stage pic
 it over ``pp_group``. The token is also broadcast from TP rank 0, so every rank of a replica agrees.
 
 Checkpoints load from a sharded ``--save`` directory of any topology (this rank's TP shard read straight from
-the shards, resharded as needed), a merged ``tools/convert_checkpoint.py`` export, or a Hugging Face GPT-2
-directory (:func:`load_model`).
+the shards, resharded as needed), a merged ``tools/convert_checkpoint.py`` export, or a Hugging Face GPT-2 or
+Llama directory (this rank's slices, read as ``--init-from`` reads them) (:func:`load_model`).
 """
 
 from __future__ import annotations
@@ -28,11 +28,12 @@ from typing import Any, Protocol
 
 import torch
 
+from megazero.checkpoint.hf_import import HFCheckpoint, check_tensors, hf_initializer, hf_model_config
+from megazero.config.errors import ConfigError
 from megazero.config.schema import ModelConfig
 from megazero.distributed.group import Group
 from megazero.model.cache import KVCache
 from megazero.model.gpt import GPT
-from megazero.model.hf import to_hf_gpt2_tensor
 from megazero.tensor_parallel.layers import shard_full_tensor, tp_size_rank
 
 __all__ = ["SamplingConfig", "TextCodec", "generate_ids", "generate_samples", "load_model", "load_tokenizer",
@@ -196,6 +197,7 @@ class _HFTokenizer:
 
         self._tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         self.eos_id = self._tok.eos_token_id
+        self.vocab_size = len(self._tok)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)
@@ -204,46 +206,49 @@ class _HFTokenizer:
         return self._tok.decode(ids)
 
 
-def load_tokenizer(path: str | os.PathLike, override: str | None = None) -> Any:
-    """The tokenizer of a checkpoint or export directory: ``override``, its ``tokenizer.model``, else a Hugging
-    Face tokenizer saved beside it. Has ``encode``, ``decode`` and ``eos_id``."""
-    from megazero.checkpoint import CheckpointReader, find_checkpoint
-    from megazero.data.tokenizer import Tokenizer
+def _model_vocab(path: Path, step_dir: Path | None) -> int | None:
+    """The vocabulary size of the model at ``path`` (a checkpoint's manifest, a merged export's or a Hugging
+    Face config.json), None when unknown."""
+    from megazero.checkpoint import CheckpointReader
 
-    if override:
-        return Tokenizer(override)
+    if step_dir is not None:
+        return CheckpointReader(step_dir, verify=False).manifest["model"]["vocab_size"]
+    if (path / "config.json").is_file():
+        meta = json.loads((path / "config.json").read_text())
+        return meta.get("megazero_model", meta).get("vocab_size")
+    return None
+
+
+def load_tokenizer(path: str | os.PathLike, override: str | None = None) -> Any:
+    """The tokenizer of a checkpoint or export directory: ``override``, the checkpoint's copy, else the one saved
+    beside an export (each through :func:`megazero.data.open_tokenizer`: SentencePiece or a Hugging Face
+    ``tokenizer.json``; a directory with only ``transformers``' own files through ``AutoTokenizer``). Has
+    ``encode``, ``decode`` and ``eos_id``. A tokenizer whose vocabulary is not the model's is refused, naming
+    both."""
+    from megazero.checkpoint import CheckpointReader, find_checkpoint
+    from megazero.data import open_tokenizer
+
     path = Path(path)
     step_dir = find_checkpoint(path) if path.is_dir() and not (path / "config.json").is_file() else None
-    if step_dir is not None:
+    tok: Any = None
+    if override:
+        tok = open_tokenizer(override)
+    elif step_dir is not None:
         found = CheckpointReader(step_dir, verify=False).tokenizer_path()
-        if found is not None:
-            return Tokenizer(found)
-    elif (path / "tokenizer.model").is_file():
-        return Tokenizer(path / "tokenizer.model")
-    elif (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
-        return _HFTokenizer(path)
-    raise ValueError(f"{path} holds no tokenizer (tokenizer.model or tokenizer.json); pass --tokenizer MODEL")
-
-
-def _hf_model_config(hf: dict[str, Any]) -> ModelConfig:
-    n_embd = hf["n_embd"]
-    if hf.get("n_inner") not in (None, 4 * n_embd):
-        raise ValueError(f"n_inner {hf['n_inner']} != 4 * n_embd: megazero's GPT-2 has a 4H MLP")
-    if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise ValueError(f"activation_function {hf['activation_function']!r}: megazero's GPT-2 uses tanh-GELU")
-    return ModelConfig(num_layers=hf["n_layer"], hidden_size=n_embd, num_heads=hf["n_head"],
-                       seq_len=hf["n_positions"], vocab_size=hf["vocab_size"],
-                       layernorm_eps=hf.get("layer_norm_epsilon", 1e-5), init_std=hf.get("initializer_range", 0.02))
-
-
-def _read_weights(path: Path) -> dict[str, torch.Tensor]:
-    if (path / "model.safetensors").is_file():
-        from safetensors.torch import load_file
-
-        return load_file(str(path / "model.safetensors"))
-    if (path / "pytorch_model.bin").is_file():
-        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise ValueError(f"{path} has no model.safetensors or pytorch_model.bin")
+        tok = open_tokenizer(found) if found is not None else None
+    elif (path / "tokenizer.model").is_file():  # a SentencePiece run's export (its tokenizer.json is a copy)
+        tok = open_tokenizer(path / "tokenizer.model")
+    elif (path / "tokenizer.json").is_file():
+        tok = open_tokenizer(path / "tokenizer.json")
+    elif (path / "tokenizer_config.json").is_file():
+        tok = _HFTokenizer(path)
+    if tok is None:
+        raise ValueError(f"{path} holds no tokenizer (tokenizer.model or tokenizer.json); pass --tokenizer PATH")
+    vocab = _model_vocab(path, step_dir)
+    if vocab is not None and tok.vocab_size != vocab:
+        raise ValueError(f"tokenizer {getattr(tok, 'model_path', override or path)} has {tok.vocab_size} tokens, "
+                         f"but the model in {path} has a vocabulary of {vocab}; pass the model's own tokenizer")
+    return tok
 
 
 @torch.no_grad()
@@ -251,7 +256,7 @@ def load_model(path: str | os.PathLike, tp_group: Group | None = None, device: t
                dtype: torch.dtype = torch.float32, step: int | None = None) -> GPT:
     """A whole :class:`GPT` (every layer) for this TP rank, from ``path``: a ``--save`` directory or step
     directory (sharded, any topology), a merged export (``config.json`` with ``megazero_model``) or a Hugging
-    Face GPT-2 directory (``config.json`` with ``model_type`` gpt2)."""
+    Face directory (``config.json`` with ``model_type`` gpt2 or llama; safetensors or ``pytorch_model.bin``)."""
     from megazero.checkpoint import CheckpointError, CheckpointReader, find_checkpoint
 
     path = Path(path)
@@ -259,24 +264,26 @@ def load_model(path: str | os.PathLike, tp_group: Group | None = None, device: t
     config_file = path / "config.json"
     if config_file.is_file():
         meta = json.loads(config_file.read_text())
-        if "megazero_model" in meta:
-            cfg, hf = ModelConfig(**meta["megazero_model"]), False
-        elif meta.get("model_type") == "gpt2":
-            cfg, hf = _hf_model_config(meta), True
+        if "megazero_model" in meta:  # a merged export: megazero's names, full tensors
+            from safetensors.torch import load_file
+
+            cfg = ModelConfig(**meta["megazero_model"])
+            state = load_file(str(path / "model.safetensors"))
+            model = GPT(cfg, tp_group)
+            for name, p in model.named_parameters():
+                p.copy_(shard_full_tensor(state[name].float(), p.shard_spec, tp_rank, tp_size))
+        elif meta.get("model_type") in ("gpt2", "llama"):  # this rank's slices, read as --init-from reads them
+            try:
+                cfg, _ = hf_model_config(meta, str(config_file))
+                check_tensors(HFCheckpoint(path), cfg)
+            except ConfigError as e:
+                raise ValueError(f"{path}: {e}") from e
+            model = GPT(cfg, tp_group)
+            value = hf_initializer([model], cfg, path, tp_group, torch.device("cpu"))
+            for p in model.parameters():
+                p.copy_(value(p))
         else:
-            raise ValueError(f"{config_file} is neither a megazero export nor a Hugging Face GPT-2 config")
-        state = _read_weights(path)
-        model = GPT(cfg, tp_group)
-        for name, p in model.named_parameters():
-            if hf:
-                key, _ = to_hf_gpt2_tensor(name, torch.empty(p.shard_spec.full_shape, device="meta"), cfg)
-                t = state.get(key, state.get(key.removeprefix("transformer.")))
-                if t is None:
-                    raise ValueError(f"{path}: the Hugging Face weights lack {key}")
-                full = to_hf_gpt2_tensor(name, t, cfg)[1]  # the transposes are their own inverse
-            else:
-                full = state[name]
-            p.copy_(shard_full_tensor(full.float(), p.shard_spec, tp_rank, tp_size))
+            raise ValueError(f"{config_file} is neither a megazero export nor a Hugging Face GPT-2 or Llama config")
     else:
         step_dir = path / f"step_{step:08d}" if step is not None else find_checkpoint(path)
         if step_dir is None:

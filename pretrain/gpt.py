@@ -24,6 +24,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
 
 import torch
 
+from megazero.checkpoint.hf_import import configure_from_inputs
 from megazero.config.cli import parse_args
 from megazero.config.schema import ConfigError
 from megazero.distributed.context import ParallelContext, RankGrid, TopologyError
@@ -50,7 +51,7 @@ def dry_run_main(argv: list[str]) -> int:
                    help="plan for ranks of this device type: its defaults (bf16, compile) and kernels")
     known, rest = p.parse_known_args(argv)
     try:
-        cfg = parse_args(rest)
+        cfg = configure_from_inputs(parse_args(rest))
         par = cfg.parallel
         cfg = cfg.resolve(par.tp_size * par.pp_size * (par.dp_size or 1), device_type=known.device_type)
         c = cluster(known.gpu, known.gpus_per_node, efficiency=known.efficiency,
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         return dry_run_main(argv)
     env = detect_env()
     try:
-        cfg = parse_args(argv)
+        cfg = configure_from_inputs(parse_args(argv))  # --init-from, --tokenizer
         backend = cfg.parallel.backend or default_backend()
         cfg, resumed = resolve_for_resume(cfg, env.world_size, "cuda" if backend == "nccl" else "cpu",
                                           micro_given=micro_batch_given(argv, cfg))

@@ -1,4 +1,4 @@
-"""Merge a megazero sharded checkpoint into one fp32 state dict or a Hugging Face GPT-2 directory.
+"""Merge a megazero sharded checkpoint into one fp32 state dict or a Hugging Face GPT-2 or Llama directory.
 
     python tools/convert_checkpoint.py runs/ckpt --out merged/                  # latest checkpoint, safetensors
     python tools/convert_checkpoint.py runs/ckpt --step 200 --out hf/ --format hf
@@ -9,11 +9,14 @@ it and written out before the next is read (the safetensors header is computed f
 first), so peak memory is the largest parameter plus one TP shard of it, not a copy of the model.
 
 ``--format safetensors`` (default) writes ``OUT/model.safetensors`` with the single-process GPT's names
-(``wte.weight`` unpadded: ``[vocab_size, hidden]``), ``OUT/config.json`` (megazero's model config) and
-``OUT/tokenizer.model``. ``--format hf`` writes ``config.json`` + ``model.safetensors`` that
-``transformers.GPT2LMHeadModel.from_pretrained(OUT)`` loads (tied ``lm_head``), and the tokenizer as
-``tokenizer.json`` + ``tokenizer_config.json`` for ``transformers.AutoTokenizer.from_pretrained(OUT)``
-(same ids as megazero's tokenizer; see :meth:`megazero.data.tokenizer.Tokenizer.save_hf`).
+(``wte.weight`` unpadded: ``[vocab_size, hidden]``), ``OUT/config.json`` (megazero's model config) and the
+tokenizer (``tokenizer.model``, or ``tokenizer.json`` for a Hugging Face one). ``--format hf`` writes
+``config.json`` + ``model.safetensors`` that ``transformers.GPT2LMHeadModel.from_pretrained(OUT)`` (tied
+``lm_head``) or ``LlamaForCausalLM.from_pretrained(OUT)`` (q/k/v_proj and gate/up_proj split out of megazero's
+fused weights; ``lm_head`` written when untied) loads, written without ``transformers``, and the tokenizer as
+``tokenizer.json`` + ``tokenizer_config.json`` for ``transformers.AutoTokenizer.from_pretrained(OUT)`` (the
+same ids as megazero's tokenizer; see the tokenizers' ``save_hf``); its eos and bos ids go into config.json.
+A directory ``--init-from`` read comes back with the same tensors, bit for bit, in fp32.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ from megazero.checkpoint import CheckpointError, CheckpointReader, find_checkpoi
 from megazero.checkpoint.safetensors_io import write_safetensors
 from megazero.checkpoint.store import TOKENIZER
 from megazero.config.schema import ModelConfig
-from megazero.model.hf import hf_gpt2_config, to_hf_gpt2_tensor
+from megazero.data import HFTokenizer, open_tokenizer
+from megazero.model.hf import hf_config, to_hf_tensors
 from megazero.observe.log import DEBUG_ENV, debug_requested, report_failure
 
 __all__ = ["build_parser", "convert", "main"]
@@ -62,15 +66,19 @@ def convert(step_dir: Path, out: Path, fmt: str = "safetensors", verify: bool = 
     shapes = {n: tuple(reader.tensors[n]["shape"]) for n in names}
     out.mkdir(parents=True, exist_ok=True)
     if fmt == "hf":
-        # shapes after conversion: vocab padding is already gone; the four block matrices are transposed
-        dummy = {n: torch.empty(shapes[n], device="meta") for n in names}
-        target = {n: to_hf_gpt2_tensor(n, dummy[n], cfg) for n in names}
-        entries = [(target[n][0], torch.float32, tuple(target[n][1].shape)) for n in names]
-        source = {target[n][0]: n for n in names}
+        # names and shapes after conversion (vocab padding is already gone): GPT-2's four block matrices
+        # transposed, Llama's qkv and fc split into q/k/v_proj and gate/up_proj
+        target = {n: to_hf_tensors(n, torch.empty(shapes[n], device="meta"), cfg) for n in names}
+        entries = [(key, torch.float32, tuple(t.shape)) for n in names for key, t in target[n]]
+        source = {key: n for n in names for key, _ in target[n]}
+        held: dict[str, dict[str, torch.Tensor]] = {}  # the parameter whose parts are being written
 
         def produce(key: str) -> torch.Tensor:
             name = source[key]
-            return to_hf_gpt2_tensor(name, reader.full_tensor(name), cfg)[1]
+            if name not in held:
+                held.clear()
+                held[name] = dict(to_hf_tensors(name, reader.full_tensor(name), cfg))
+            return held[name][key].contiguous()
     else:
         entries = [(n, torch.float32, shapes[n]) for n in names]
 
@@ -79,19 +87,16 @@ def convert(step_dir: Path, out: Path, fmt: str = "safetensors", verify: bool = 
 
     written = write_safetensors(out / "model.safetensors", entries, produce, {"format": "pt"})
     tokenizer_file = reader.tokenizer_path()
+    tok = open_tokenizer(tokenizer_file) if tokenizer_file is not None else None
     if fmt == "hf":
-        from transformers import GPT2Config
-
-        extra = {"architectures": ["GPT2LMHeadModel"], "bos_token_id": 1, "eos_token_id": 2}
-        GPT2Config(**hf_gpt2_config(cfg, **extra)).to_json_file(str(out / "config.json"))
-        if tokenizer_file is not None:
-            from megazero.data.tokenizer import Tokenizer
-
-            Tokenizer(tokenizer_file).save_hf(out, model_max_length=cfg.seq_len)
+        ids = {"bos_token_id": tok.bos_id if tok.bos_id >= 0 else None, "eos_token_id": tok.eos_id} if tok else {}
+        (out / "config.json").write_text(json.dumps(hf_config(cfg, **ids), indent=2) + "\n")
     else:
         (out / "config.json").write_text(json.dumps({"megazero_model": manifest["model"],
                                                      "step": manifest["step"]}, indent=2) + "\n")
-    if tokenizer_file is not None:
+    if tok is not None and (fmt == "hf" or isinstance(tok, HFTokenizer)):
+        tok.save_hf(out, model_max_length=cfg.seq_len)
+    if tok is not None and not isinstance(tok, HFTokenizer):
         shutil.copyfile(tokenizer_file, out / TOKENIZER)
     topo = manifest["topology"]
     return {"step": manifest["step"], "parameters": sum(int(torch.Size(s).numel()) for s in shapes.values()),
@@ -103,14 +108,15 @@ def convert(step_dir: Path, out: Path, fmt: str = "safetensors", verify: bool = 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tools/convert_checkpoint.py",
-        description="Merge a megazero sharded checkpoint into one fp32 state dict or a Hugging Face GPT-2 model.",
+        description="Merge a megazero sharded checkpoint into one fp32 state dict or a Hugging Face GPT-2 or Llama "
+        "model.",
         epilog=f"A failure prints one line; {DEBUG_ENV}=1 adds its traceback.")
     parser.add_argument("checkpoint", metavar="CKPT_DIR",
                         help="a --save directory (its latest checkpoint) or one step_N directory")
     parser.add_argument("--step", type=int, help="convert step N of CKPT_DIR instead of its latest")
     parser.add_argument("--out", required=True, metavar="OUT", help="output directory")
     parser.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
-                        help="megazero names or a Hugging Face GPT-2 directory (default: %(default)s)")
+                        help="megazero names or a Hugging Face GPT-2 or Llama directory (default: %(default)s)")
     parser.add_argument("--no-verify", action="store_true", help="skip the SHA-256 check of the shard files")
     return parser
 

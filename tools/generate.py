@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 disables (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     p.add_argument("--step", type=int, help="load step N of a --save directory instead of its latest")
-    p.add_argument("--tokenizer", metavar="MODEL", help="SentencePiece .model (default: the checkpoint's)")
+    p.add_argument("--tokenizer", metavar="PATH", help="SentencePiece .model, Hugging Face tokenizer.json or a "
+                   "directory holding one; its vocabulary must be the model's (default: the checkpoint's)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size under torchrun (default: %(default)s)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: CUDA when available (default: %(default)s)")

@@ -165,17 +165,20 @@ class CheckpointReader:
 
 
 def _check_compatible(reader: CheckpointReader, cfg: Any, tokenizer: Tokenizer | None) -> None:
+    tok = reader.manifest.get("tokenizer")
+    hint = f"pass --tokenizer {reader.dir / tok.get('file', TOKENIZER)}" if tok else ""
+    if tokenizer is not None and tok is not None and tok["vocab_size"] != tokenizer.vocab_size:
+        raise CheckpointError(f"tokenizer {tokenizer.model_path} has {tokenizer.vocab_size} tokens, but checkpoint "
+                              f"{reader.dir} was trained with a tokenizer of {tok['vocab_size']}; {hint}")
     saved = ModelConfig(**reader.manifest["model"])  # fields a checkpoint predates take their defaults
     wrong = [f"{flag} {getattr(cfg.model, f)} != checkpoint's {getattr(saved, f)}"
              for f, flag in _ARCH_FLAGS.items() if getattr(saved, f) != getattr(cfg.model, f)]
     if wrong:
         raise CheckpointError(f"checkpoint {reader.dir} has a different model configuration: {'; '.join(wrong)}. "
                               "Pass the checkpoint's model settings (manifest.json, \"model\") to resume from it")
-    tok = reader.manifest.get("tokenizer")
     if tokenizer is not None and tok is not None and tok["sha256"] != tokenizer.fingerprint:
         raise CheckpointError(f"checkpoint {reader.dir} was trained with another tokenizer (SHA-256 "
-                              f"{tok['sha256'][:12]}..., this run's {tokenizer.fingerprint[:12]}...); pass "
-                              f"--tokenizer {reader.dir / TOKENIZER}")
+                              f"{tok['sha256'][:12]}..., this run's {tokenizer.fingerprint[:12]}...); {hint}")
 
 
 def _rng_source(manifest: dict[str, Any], ctx: ParallelContext) -> tuple[int, int]:

@@ -9,8 +9,11 @@ partition dim / stride / padded size, and its pieces ``{file, tp, dp, pp, offset
 elements starting at ``offset`` of TP shard ``tp``'s flattened tensor, stored at ``at`` in that file. The
 pieces of each TP shard tile it exactly (checked when the manifest is written). The manifest also records
 format version, topology, ZeRO stage, precision, model and run config, step, optimizer step count,
-loss-scaler state, sampler state (consumed samples), the tokenizer's SHA-256 and the SHA-256 and size of
-every file.
+loss-scaler state, sampler state (consumed samples), the tokenizer (its file, SHA-256 and vocabulary size) and
+the SHA-256 and size of every file. The tokenizer is copied beside the shards under its own kind's names: a
+SentencePiece model as ``tokenizer.model``, a Hugging Face one as ``tokenizer.json`` (plus the
+``tokenizer_config.json`` beside it, which names eos and bos), so the step directory opens as a tokenizer
+directory for :func:`megazero.data.open_tokenizer` and ``transformers`` alike.
 
 **Save protocol** (all ranks; :func:`save_checkpoint`): rank 0 prepares the step directory (an incomplete one
 of the same step is removed, a complete one moved aside to ``step_X.replaced``); every rank writes its shard
@@ -45,6 +48,8 @@ from megazero.checkpoint.store import (
     prune,
     step_dir_name,
 )
+from megazero.data import HFTokenizer
+from megazero.data.hf_tokenizer import HF_TOKENIZER_FILE
 from megazero.observe.log import get_logger
 from megazero.observe.metrics import gather_rank_records
 
@@ -89,6 +94,17 @@ def _write_rank_file(engine: TrainState, step_dir: Path) -> dict[str, Any]:
     return {"file": fname, "coords": ctx.coords(), "pieces": pieces, "specs": specs, **written}
 
 
+def _tokenizer_files(tokenizer: Tokenizer | HFTokenizer) -> dict[str, Path]:
+    """The files that store ``tokenizer`` in a step directory, {name there: source}; the first is the one the
+    manifest names and checksums."""
+    if isinstance(tokenizer, HFTokenizer):
+        files = {HF_TOKENIZER_FILE: Path(tokenizer.model_path)}
+        if tokenizer.config_path is not None:
+            files[tokenizer.config_path.name] = Path(tokenizer.config_path)
+        return files
+    return {TOKENIZER: Path(tokenizer.model_path)}
+
+
 def _build_manifest(engine: TrainState, sampler: DistributedBatchSampler | None, entries: list[dict],
                     tokenizer: Tokenizer | None) -> dict[str, Any]:
     cfg, ctx, opt = engine.cfg, engine.ctx, engine.optimizer
@@ -116,8 +132,8 @@ def _build_manifest(engine: TrainState, sampler: DistributedBatchSampler | None,
         "model": dataclasses.asdict(cfg.model), "model_preset": cfg.model_preset,
         "num_parameters": sum(int(torch.Size(r["shape"]).numel()) for r in tensors.values()),
         "loss_scaler": opt.scaler.state_dict() if opt.scaler is not None else None,
-        "tokenizer": {"file": TOKENIZER, "sha256": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size}
-        if tokenizer is not None else None,
+        "tokenizer": {"file": next(iter(_tokenizer_files(tokenizer))), "sha256": tokenizer.fingerprint,
+                      "vocab_size": tokenizer.vocab_size} if tokenizer is not None else None,
         "config": json.loads(json.dumps(dataclasses.asdict(cfg), default=str)),
         "files": {e["file"]: {"sha256": e["sha256"], "bytes": e["bytes"], **e["coords"]} for e in entries},
         "tensors": tensors, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -153,9 +169,9 @@ def save_checkpoint(engine: TrainState, sampler: DistributedBatchSampler | None,
     if ctx.rank == 0:
         try:
             manifest = _build_manifest(engine, sampler, entries, tokenizer)
-            if tokenizer is not None:
-                data = Path(tokenizer.model_path).read_bytes()
-                atomic_write(step_dir / TOKENIZER, lambda f: f.write(data))
+            for name, source in (_tokenizer_files(tokenizer) if tokenizer is not None else {}).items():
+                data = source.read_bytes()
+                atomic_write(step_dir / name, lambda f, data=data: f.write(data))
             text = json.dumps(manifest, indent=1).encode()
             atomic_write(step_dir / MANIFEST, lambda f: f.write(text))
             faults.maybe_inject_fault("after_manifest", ctx.rank, engine.step)

@@ -165,8 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = parser.add_argument_group("data")
     add(g, "--data", "data.paths", "text files or directories; empty uses the built-in corpus", nargs="+",
         metavar="PATH")
-    add(g, "--tokenizer", "data.tokenizer", "SentencePiece .model; None trains one on the corpus",
-        metavar="MODEL")
+    add(g, "--tokenizer", "data.tokenizer", "SentencePiece .model, Hugging Face tokenizer.json or a directory "
+        "holding one; the vocabulary size follows it. None trains a SentencePiece BPE on the corpus (or takes "
+        "--init-from's)", metavar="PATH")
     add(g, "--cache-dir", "data.cache_dir", "tokenizer/dataset cache; None is ~/.cache/megazero", metavar="DIR")
 
     g = parser.add_argument_group("logging")
@@ -186,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "--load", "training.load", "resume from a --save directory (its latest checkpoint), a step_N directory, "
         "or auto: the newest checkpoint under --save if there is one (for torchrun --max-restarts)", metavar="DIR")
     add(g, "--keep-last", "training.keep_last", "keep only the newest N checkpoints", type=int)
+    add(g, "--init-from", "training.init_from", "start from a local Hugging Face GPT-2 or Llama directory "
+        "(config.json + safetensors, sharded or not): its config.json sets the model (flags that disagree are "
+        "refused), its tokenizer the run's unless --tokenizer is given; each rank reads only its shards",
+        metavar="DIR")
 
     g = parser.add_argument_group("DeepSpeed compatibility")
     add(g, "--deepspeed-config", "deepspeed_config",
@@ -232,4 +237,4 @@ def _build_config(values: dict[str, Any]) -> Config:
     if "paths" in sections.get("data", {}):
         sections["data"]["paths"] = list(sections["data"]["paths"])
     new = {section: replace(getattr(cfg, section), **kw) for section, kw in sections.items()}
-    return replace(cfg, model=model, model_preset=preset, **top, **new)
+    return replace(cfg, model=model, model_preset=preset, **top, **new, explicit=tuple(sorted(values)))

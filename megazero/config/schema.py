@@ -290,6 +290,8 @@ class TrainingConfig:
     save_interval: int = 0
     load: str | None = None
     keep_last: int | None = None
+    init_from: str | None = None  # a Hugging Face model directory: its config.json sets the model, its weights
+    # the initial values (megazero.checkpoint.hf_import)
 
 
 @dataclass
@@ -306,6 +308,9 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     deepspeed_config: str | None = None  # the --deepspeed-config file this was read from, for the record
+    # setting paths the user gave (flags or DeepSpeed keys, e.g. "model.vocab_size"), as opposed to defaults and
+    # a preset's values: what a tokenizer's vocabulary or an --init-from config.json may replace, or must match
+    explicit: tuple[str, ...] = ()
 
     def resolve(self, world_size: int, device_type: str = "cpu") -> Config:
         """Derived sizes filled in and every setting validated; see

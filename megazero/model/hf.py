@@ -11,20 +11,30 @@ Hugging Face's rotate-half layout). Two megazero weights stack several Hugging F
 Tensor parallelism splits each part alike (a rank's rows of ``attn.qkv`` are its rows of q_proj, then of k_proj,
 then of v_proj), so a rank can read its slices of the Hugging Face tensors directly. ``wte`` is
 ``model.embed_tokens``, ``lm_head`` (untied models) is ``lm_head``; vocabulary padding is removed.
+
+Both families: :func:`hf_parts` describes any parameter as its Hugging Face tensors (name, rows along
+megazero's dim 0, transposed or not), which is all a reader of Hugging Face files needs to cut out one TP
+shard (:mod:`megazero.checkpoint.hf_import`); :func:`to_hf_tensors` and :func:`hf_config` are the export side
+for either family (``tools/convert_checkpoint.py --format hf``).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from megazero.config.schema import ModelConfig
 
-__all__ = ["from_hf_llama_tensors", "hf_gpt2_config", "hf_llama_config", "llama_parts", "to_hf_gpt2_state_dict",
-           "to_hf_gpt2_tensor", "to_hf_llama_state_dict", "to_hf_llama_tensors"]
+__all__ = ["HF_ARCHITECTURES", "HFPart", "from_hf_llama_tensors", "hf_config", "hf_gpt2_config", "hf_llama_config",
+           "hf_parts", "llama_parts", "to_hf_gpt2_state_dict", "to_hf_gpt2_tensor", "to_hf_llama_state_dict",
+           "to_hf_llama_tensors", "to_hf_tensors"]
+
+#: ``config.json``'s ``model_type`` and ``architectures`` of each family's Hugging Face model
+HF_ARCHITECTURES = {"gpt2": ("gpt2", "GPT2LMHeadModel"), "llama": ("llama", "LlamaForCausalLM")}
 
 _TRANSPOSED = ("attn.qkv.weight", "attn.proj.weight", "mlp.fc.weight", "mlp.proj.weight")
 _BLOCK_NAMES = {
@@ -48,18 +58,22 @@ def hf_gpt2_config(cfg: ModelConfig, **extra: Any) -> dict[str, Any]:
     )
 
 
-def to_hf_gpt2_tensor(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> tuple[str, torch.Tensor]:
-    """One full (unsharded) megazero parameter as ``(GPT2LMHeadModel name, tensor in its layout)``."""
-    if name == "wte.weight":
-        return "transformer.wte.weight", tensor[: cfg.vocab_size]
-    if name in ("wpe.weight", "ln_f.weight", "ln_f.bias"):
-        return f"transformer.{name}", tensor
+def _gpt2_name(name: str) -> tuple[str, bool]:
+    """The GPT2LMHeadModel name of megazero parameter ``name`` and whether it is transposed (Conv1D)."""
+    if name in ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"):
+        return f"transformer.{name}", False
     m = re.fullmatch(r"blocks\.(\d+)\.(.+)", name)
     if m is None or m.group(2) not in _BLOCK_NAMES:
         raise KeyError(f"{name!r} is not a parameter of megazero's GPT-2")
-    ours = m.group(2)
-    return (f"transformer.h.{m.group(1)}.{_BLOCK_NAMES[ours]}",
-            tensor.t().contiguous() if ours in _TRANSPOSED else tensor)
+    return f"transformer.h.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}", m.group(2) in _TRANSPOSED
+
+
+def to_hf_gpt2_tensor(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> tuple[str, torch.Tensor]:
+    """One full (unsharded) megazero parameter as ``(GPT2LMHeadModel name, tensor in its layout)``."""
+    hf_name, transposed = _gpt2_name(name)
+    if name == "wte.weight":
+        tensor = tensor[: cfg.vocab_size]
+    return hf_name, tensor.t().contiguous() if transposed else tensor
 
 
 def to_hf_gpt2_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -129,3 +143,37 @@ def to_hf_llama_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> 
     if cfg.tied:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
+
+
+@dataclass(frozen=True)
+class HFPart:
+    """One Hugging Face tensor inside a megazero parameter: ``rows`` rows of the parameter's dim 0 (the
+    parameter stacks its parts along dim 0), stored ``[in, out]`` when ``transposed`` (GPT-2's Conv1D)."""
+
+    name: str
+    rows: int
+    transposed: bool = False
+
+
+def hf_parts(name: str, cfg: ModelConfig, rows: int) -> list[HFPart]:
+    """The Hugging Face tensors that make up megazero parameter ``name``, in order along its dim 0; ``rows`` is
+    the parameter's full, unpadded dim-0 size (the row count of a parameter made of one tensor)."""
+    if cfg.arch == "llama":
+        return [HFPart(n, r if r is not None else rows) for n, r in llama_parts(name, cfg)]
+    hf_name, transposed = _gpt2_name(name)
+    return [HFPart(hf_name, rows, transposed)]
+
+
+def to_hf_tensors(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    """One full (unsharded) megazero parameter of either family as its ``(Hugging Face name, tensor)`` parts."""
+    if cfg.arch == "llama":
+        return to_hf_llama_tensors(name, tensor, cfg)
+    return [to_hf_gpt2_tensor(name, tensor, cfg)]
+
+
+def hf_config(cfg: ModelConfig, **extra: Any) -> dict[str, Any]:
+    """The ``config.json`` of the equivalent Hugging Face model (``model_type`` and ``architectures`` included),
+    written without ``transformers``: its loader fills every key left out with the class default."""
+    model_type, architecture = HF_ARCHITECTURES[cfg.arch]
+    fields = hf_llama_config(cfg) if cfg.arch == "llama" else hf_gpt2_config(cfg)
+    return {"architectures": [architecture], "model_type": model_type, **fields, **extra}

@@ -8,7 +8,8 @@
    a layer's unsharded weight (torchtitan's ``apply_tp`` instead rewrites whole modules into DTensor ones, which
    needs the full module first);
 3. :func:`materialiser` – each parameter's initial value from (seed, unsharded name) at its full shape, then
-   this rank's slice, so every topology starts from the same model;
+   this rank's slice, so every topology starts from the same model; with ``--init-from`` this rank's slice of
+   the Hugging Face tensors instead, read straight from their files (:mod:`megazero.checkpoint.hf_import`);
 4. :func:`wrap_for_zero` – the ZeRO optimizer over the DP group; it calls the materialiser one parameter
    (stages 0-2) or one gather unit (stage 3, sharded) at a time, so no rank ever holds a second full copy of
    its replica (and at stage 3 not even one);
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megazero.checkpoint.hf_import import hf_initializer
 from megazero.config import Config
 from megazero.config.precision import PRECISION_DTYPES
 from megazero.distributed.context import ParallelContext
@@ -75,6 +77,8 @@ def build_on_meta(cfg: Config, ctx: ParallelContext, specs: list[StageSpec], rng
 
 def materialiser(chunks: list[GPT], cfg: Config, ctx: ParallelContext, device: torch.device):
     """The function ZeRO calls to give one meta parameter its initial fp32 value on ``device``."""
+    if cfg.training.init_from is not None:
+        return hf_initializer(chunks, cfg.model, cfg.training.init_from, ctx.tp_group, device)
     return parameter_initializer(chunks, cfg.training.seed, ctx.tp_group, device)
 
 
