@@ -14,7 +14,8 @@ from megazero.checkpoint import CheckpointReader, find_checkpoint
 from megazero.config.cli import parse_args
 from megazero.config.schema import ConfigError, ModelConfig, model_preset
 from megazero.model import GPT, init_parameters
-from megazero.model.hf import hf_llama_config, llama_parts, to_hf_llama_state_dict
+from megazero.model.gpt import full_state_dict
+from megazero.model.hf import hf_llama_config, llama_parts, to_hf_gpt2_tensor, to_hf_llama_state_dict
 from megazero.tensor_parallel import shard_full_tensor
 from tests.common import assert_matches_reference, merge_runs, train_runs
 from tests.dist import run_world
@@ -59,6 +60,22 @@ def test_logits_and_loss_equal_hugging_face_llama(kv_heads, tied):
     assert got.shape == want.shape == (3, cfg.seq_len, cfg.vocab_size)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ours(ids[:, :-1], ids[:, 1:]).mean(), hf(ids, labels=ids).loss, rtol=1e-5, atol=1e-6)
+
+
+def test_vocab_padding_never_reaches_the_untied_head_loss_or_export():
+    model = GPT(SMALL)
+    init_parameters(model, seed=0)
+    assert model.lm_head.weight.shape[0] == model.padded_vocab_size == 1024
+    ids = torch.randint(0, SMALL.vocab_size, (2, 16))
+    logits = model(ids)
+    assert torch.isinf(logits[..., 1000:]).all() and torch.isfinite(logits[..., :1000]).all()
+    model(ids, ids).mean().backward()
+    for layer in (model.wte, model.lm_head):
+        assert torch.count_nonzero(layer.weight[1000:]) == 0 and torch.count_nonzero(layer.weight.grad[1000:]) == 0
+    hf = to_hf_llama_state_dict(full_state_dict(model), SMALL)
+    assert hf["lm_head.weight"].shape == hf["model.embed_tokens.weight"].shape == (1000, 64)
+    with pytest.raises(ValueError, match="no GPT-2 layout"):
+        to_hf_gpt2_tensor("wte.weight", model.wte.weight, SMALL)
 
 
 def test_presets_have_the_published_shapes_and_parameter_counts():

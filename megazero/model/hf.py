@@ -70,6 +70,8 @@ def _gpt2_name(name: str) -> tuple[str, bool]:
 
 def to_hf_gpt2_tensor(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> tuple[str, torch.Tensor]:
     """One full (unsharded) megazero parameter as ``(GPT2LMHeadModel name, tensor in its layout)``."""
+    if cfg.arch != "gpt2":
+        raise ValueError(f"a megazero {cfg.arch} model has no GPT-2 layout; map it with to_hf_llama_tensors")
     hf_name, transposed = _gpt2_name(name)
     if name == "wte.weight":
         tensor = tensor[: cfg.vocab_size]
