@@ -66,8 +66,32 @@ def saved(data_cache, tmp_path_factory):
     return root, losses
 
 
+def _bad_data(root: Path, cache: str) -> dict[str, Path]:
+    """Data a user may bring: a missing path, an empty file, Latin-1 text, JSONL without "text", and a .bin
+    (with its sidecar) that holds a token id beyond its tokenizer's 512."""
+    import numpy as np
+
+    from megazero.data import resolve_tokenizer, write_token_file
+
+    root.mkdir()
+    out = {"no_file": root / "none.txt", "empty": root / "empty.txt", "latin1": root / "latin1.txt",
+           "no_text": root / "no_text.jsonl", "beyond": root / "beyond.bin"}
+    out["empty"].write_text("")
+    out["latin1"].write_bytes(b"caf\xe9 au lait\n" * 50)
+    out["no_text"].write_text("".join(json.dumps({"body": f"document {i}"}) + "\n" for i in range(30)))
+    tok = resolve_tokenizer([], 512, cache)
+    write_token_file(out["beyond"], [np.arange(4000) % 500], np.uint16, vocab_size=512,
+                     tokenizer_fingerprint=tok.fingerprint, tokenizer_model=str(tok.model_path))
+    ids = np.memmap(out["beyond"], dtype=np.uint16, mode="r+")
+    ids[1234] = 700
+    ids.flush()
+    return out
+
+
 def test_errors_are_one_line_per_rank_without_traceback(saved, subprocess_env, tmp_path):
-    """Started together: --load of a missing directory, a deleted shard, a truncated shard, another model size;
+    """Started together: --data of a missing path, an empty file, non-UTF-8 text, JSONL without "text", a .bin
+    with a token id beyond the vocabulary; --load of a missing directory, a deleted shard, a truncated shard, another
+    model size;
     the same with --debug (the traceback, then the line); two ranks under torchrun (each worker's stderr in its
     own file: one line each, none repeated); and a good resume at dp 1 of the dp-2 checkpoint, which keeps its
     global batch."""
@@ -77,9 +101,11 @@ def test_errors_are_one_line_per_rank_without_traceback(saved, subprocess_env, t
     os.remove(tmp_path / "deleted" / "step_00000004" / "rank_00000.safetensors")
     shard = tmp_path / "truncated" / "step_00000004" / "rank_00000.safetensors"
     shard.write_bytes(shard.read_bytes()[:-100])
+    data = _bad_data(tmp_path / "data", subprocess_env["MEGAZERO_CACHE"])
     base = [*SMALL_FLAGS, *FOUR, "--train-steps", "5", "--log-dir", str(tmp_path / "log")]
     missing = ["--load", str(tmp_path / "nonexistent")]
-    cases = {"missing": missing, "debug": [*missing, "--debug"],
+    cases = {**{name: ["--data", str(path)] for name, path in data.items()},
+             "missing": missing, "debug": [*missing, "--debug"],
              "deleted": ["--load", str(tmp_path / "deleted")],
              "truncated": ["--load", str(tmp_path / "truncated")],
              "size": ["--load", str(root / "ck"), "--hidden-size", "128"],
@@ -89,9 +115,15 @@ def test_errors_are_one_line_per_rank_without_traceback(saved, subprocess_env, t
     logs = tmp_path / "torchrun"
     procs["torchrun"] = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--log-dir",
-         str(logs), "--redirects", "3", GPT, *base, *missing], env=subprocess_env, cwd=ROOT,
+         str(logs), "--redirects", "3", GPT, *base, "--data", str(data["no_file"])], env=subprocess_env, cwd=ROOT,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     r = _finish(procs)
+    assert_one_line(r["no_file"], 0, f"data path '{data['no_file']}' does not exist")
+    assert_one_line(r["empty"], 0, f"data file {data['empty']} is empty; give files with text")
+    assert_one_line(r["latin1"], 0, "latin1.txt' is not UTF-8 text", "iconv")
+    assert_one_line(r["no_text"], 0, 'no_text.jsonl:1: JSON line has no "text" field (its keys: body)')
+    assert_one_line(r["beyond"], 0, "beyond.bin: token id 700 at offset 1234 (of 4000 tokens) is beyond the "
+                    "vocabulary of 512")
     assert_one_line(r["missing"], 0, "nonexistent: no such directory", "[traceback: --debug]")
     assert_one_line(r["deleted"], 0, "rank_00000.safetensors is missing", "load another checkpoint")
     assert_one_line(r["truncated"], 0, "rank_00000.safetensors is corrupt")
@@ -101,7 +133,7 @@ def test_errors_are_one_line_per_rank_without_traceback(saved, subprocess_env, t
     assert r["torchrun"][0] != 0
     for rank in range(2):
         [err_file] = logs.glob(f"*/attempt_0/{rank}/stderr.log")
-        assert_one_line((1, "", err_file.read_text()), rank, "no such directory")
+        assert_one_line((1, "", err_file.read_text()), rank, "does not exist")
     code, out, err = r["resume"]
     assert code == 0 and "Traceback" not in err, err[-3000:]
     assert "resuming with the checkpoint's global batch 8 = micro 4 x accumulation 2 x dp 1" in out, out

@@ -2,7 +2,7 @@
 ``tokenizer.json``), packed token datasets (in memory or memory-mapped ``.bin`` files) and a deterministic,
 resumable distributed batch sampler."""
 
-from megazero.data.corpus import corpus_fingerprint, read_text_documents, stdlib_corpus_files
+from megazero.data.corpus import DataError, corpus_fingerprint, read_text_documents, stdlib_corpus_files
 from megazero.data.datasets import (
     AnyTokenizer,
     TokenDataset,
@@ -24,6 +24,7 @@ from megazero.data.tokenizer import Tokenizer, load_or_train_tokenizer
 
 __all__ = [
     "AnyTokenizer",
+    "DataError",
     "DistributedBatchSampler",
     "HFTokenizer",
     "TokenDataset",

@@ -15,7 +15,10 @@ import sysconfig
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
+from megazero.config.errors import UserError
+
 __all__ = [
+    "DataError",
     "EXCLUDED_DIR_NAMES",
     "JSON_SUFFIXES",
     "corpus_fingerprint",
@@ -24,6 +27,10 @@ __all__ = [
     "stdlib_corpus_files",
     "stdlib_root",
 ]
+
+class DataError(UserError, ValueError):
+    """A data or tokenizer file the run cannot use; the message names the file (and line or offset) and the fix."""
+
 
 #: Directory names skipped when collecting the standard-library corpus (test suites and installed packages).
 EXCLUDED_DIR_NAMES: frozenset[str] = frozenset(
@@ -96,7 +103,7 @@ def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
     """Expand directories recursively (sorted, hidden entries skipped) into files; check every path exists.
 
     Raises:
-        ValueError: naming the path when it does not exist.
+        DataError: naming the path when it does not exist.
     """
     out: list[Path] = []
     for item in paths:
@@ -108,7 +115,7 @@ def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
         elif path.is_file():
             out.append(path)
         else:
-            raise ValueError(f"data path {str(path)!r} does not exist (expected a text/JSONL file or a directory)")
+            raise DataError(f"data path {str(path)!r} does not exist (expected a text/JSONL file or a directory)")
     return out
 
 
@@ -117,14 +124,16 @@ def _read_utf8(path: Path) -> str:
         with open(path, encoding="utf-8") as f:
             return f.read()
     except UnicodeDecodeError as e:
-        raise ValueError(f"data file {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start})") from e
+        raise DataError(f"data file {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start}): convert it, e.g. "
+                        f"iconv -f latin1 -t utf-8, or leave it out") from e
 
 
 def _json_documents(path: Path) -> Iterator[str]:
     try:
         yield from _json_lines(path)
     except UnicodeDecodeError as e:
-        raise ValueError(f"data file {str(path)!r} is not UTF-8 text ({e.reason})") from e
+        raise DataError(f"data file {str(path)!r} is not UTF-8 text ({e.reason}): convert it, e.g. iconv -f latin1 "
+                        "-t utf-8, or leave it out") from e
 
 
 def _json_lines(path: Path) -> Iterator[str]:
@@ -135,18 +144,19 @@ def _json_lines(path: Path) -> Iterator[str]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(
+                raise DataError(
                     f"{path}:{lineno}: invalid JSON ({e.msg}); expected one JSON object per line "
                     'like {"text": "..."}'
                 ) from e
             if not isinstance(record, dict) or "text" not in record:
-                raise ValueError(
-                    f'{path}:{lineno}: JSON line has no "text" field; each line must be an object '
-                    'like {"text": "..."}'
+                keys = f" (its keys: {', '.join(map(str, list(record)[:5]))})" if isinstance(record, dict) else ""
+                raise DataError(
+                    f'{path}:{lineno}: JSON line has no "text" field{keys}; each line must be an object '
+                    'like {"text": "..."}: rename the field holding the text to "text"'
                 )
             text = record["text"]
             if not isinstance(text, str):
-                raise ValueError(f'{path}:{lineno}: "text" field must be a string, got {type(text).__name__}')
+                raise DataError(f'{path}:{lineno}: "text" field must be a string, got {type(text).__name__}')
             yield text
 
 
@@ -157,7 +167,7 @@ def read_text_documents(paths: Iterable[str | os.PathLike[str]]) -> Iterator[str
     never held in memory at once. Text is read as UTF-8 with universal newlines.
 
     Raises:
-        ValueError: naming the path (and line) for a missing path, a non-UTF-8 file, an invalid JSON line
+        DataError: naming the path (and line) for a missing path, a non-UTF-8 file, an invalid JSON line
             or a JSON line without a string ``text`` field.
     """
     for path in expand_paths(paths):

@@ -24,7 +24,13 @@ import numpy as np
 import torch
 from filelock import FileLock
 
-from megazero.data.corpus import corpus_fingerprint, expand_paths, read_text_documents, stdlib_corpus_files
+from megazero.data.corpus import (
+    DataError,
+    corpus_fingerprint,
+    expand_paths,
+    read_text_documents,
+    stdlib_corpus_files,
+)
 from megazero.data.hf_tokenizer import HF_TOKENIZER_FILE, HFTokenizer
 from megazero.data.tokenizer import Tokenizer, load_or_train_tokenizer
 
@@ -227,20 +233,24 @@ def read_token_meta(path_prefix: str | os.PathLike[str]) -> dict[str, Any]:
     prefix = _prefix(path_prefix)
     sidecar, binary = _with(prefix, ".json"), _with(prefix, ".bin")
     if not sidecar.is_file() or not binary.is_file():
-        raise ValueError(
+        raise DataError(
             f"token file {str(binary)!r} needs both .bin and .json sidecar; create them with "
             "tools/preprocess_data.py"
         )
-    with open(sidecar) as f:
-        meta = json.load(f)
+    try:
+        with open(sidecar) as f:
+            meta = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{sidecar} is not a token-file sidecar ({e}); re-run tools/preprocess_data.py") from e
     if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(
+        raise DataError(
             f"{sidecar}: format_version {meta.get('format_version')!r} is not {FORMAT_VERSION}; "
             "re-run tools/preprocess_data.py"
         )
     expected = int(meta["num_tokens"]) * np.dtype(meta["dtype"]).itemsize
     if binary.stat().st_size != expected:
-        raise ValueError(f"{binary}: size {binary.stat().st_size} bytes, sidecar promises {expected}; file is corrupt")
+        raise DataError(f"{binary}: size {binary.stat().st_size} bytes, sidecar promises {expected}; the file is "
+                        "truncated or corrupt: re-run tools/preprocess_data.py")
     return meta
 
 
@@ -255,23 +265,38 @@ def open_token_file(path_prefix: str | os.PathLike[str]) -> np.ndarray:
 
 def _check_bin_tokenizer(path: str, meta: dict[str, Any], tokenizer: AnyTokenizer) -> None:
     if int(meta["vocab_size"]) != tokenizer.vocab_size:
-        raise ValueError(
+        raise DataError(
             f"{path} was tokenised with vocab_size {meta['vocab_size']} but the tokenizer has "
             f"{tokenizer.vocab_size}; pass the matching --tokenizer/--vocab-size or re-run tools/preprocess_data.py"
         )
     fp = meta.get("tokenizer_fingerprint")
     if fp and fp != tokenizer.fingerprint:
-        raise ValueError(
+        raise DataError(
             f"{path} was tokenised with a different tokenizer ({meta.get('tokenizer_model')}, fingerprint "
             f"{fp[:16]}) than {tokenizer.model_path} ({tokenizer.fingerprint[:16]}); pass --tokenizer "
             f"{meta.get('tokenizer_model')} or re-run tools/preprocess_data.py"
         )
     if meta.get("eos_id") is not None and int(meta["eos_id"]) != tokenizer.eos_id:
-        raise ValueError(
+        raise DataError(
             f"{path} separates documents with eos id {meta['eos_id']} but {tokenizer.model_path} has eos id "
             f"{tokenizer.eos_id} (another tokenizer_config.json?); pass the tokenizer it was made with or re-run "
             "tools/preprocess_data.py"
         )
+
+
+def _check_token_ids(path: str, tokens: np.ndarray, tokenizer: AnyTokenizer, chunk: int = 1 << 24) -> None:
+    """Refuse a token file holding an id the vocabulary does not have (the embedding would fail on it), naming
+    the first such offset; read in chunks of ``chunk`` tokens."""
+    vocab = tokenizer.vocab_size
+    for start in range(0, int(tokens.shape[0]), chunk):
+        part = np.asarray(tokens[start: start + chunk])
+        bad = np.flatnonzero(part >= vocab)
+        if bad.size:
+            at = start + int(bad[0])
+            raise DataError(f"{path}: token id {int(part[bad[0]])} at offset {at} (of {tokens.shape[0]} tokens) "
+                            f"is beyond the vocabulary of {vocab} ({tokenizer.model_path}): the file was written "
+                            "with another tokenizer or is corrupt; pass the tokenizer it was made with (--tokenizer) "
+                            "or re-run tools/preprocess_data.py")
 
 
 def _cached_tokens(name: str, files: list[Path], tokenizer: AnyTokenizer, cache_dir: Path) -> np.ndarray:
@@ -297,16 +322,17 @@ def _load_tokens(paths: Sequence[str | os.PathLike[str]], tokenizer: AnyTokenize
         return _cached_tokens("stdlib", stdlib_corpus_files(), tokenizer, cache_dir)
     bins = [str(p) for p in paths if str(p).endswith(".bin")]
     if bins and len(bins) != len(paths):
-        raise ValueError("--data-path: mix of pre-tokenized .bin files and text/JSONL paths; use one kind")
+        raise DataError("--data: a mix of pre-tokenized .bin files and text/JSONL paths; use one kind")
     if not bins:
         files = expand_paths(paths)
         if not files:
-            raise ValueError(f"--data-path {[str(p) for p in paths]} contains no files")
+            raise DataError(f"--data {' '.join(str(p) for p in paths)} contains no files (hidden files are skipped)")
         return _cached_tokens("text", files, tokenizer, cache_dir)
     arrays = []
     for path in bins:
         _check_bin_tokenizer(path, read_token_meta(path), tokenizer)
         arrays.append(open_token_file(path))
+        _check_token_ids(path, arrays[-1], tokenizer)
     return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
@@ -337,7 +363,7 @@ def build_datasets(
     n_eval = max(math.ceil(n * eval_fraction), sample) if eval_fraction > 0 else 0
     if n - n_eval < sample:
         need = sample + (sample if eval_fraction > 0 else 0)
-        raise ValueError(
+        raise DataError(
             f"corpus has {n} tokens, too few for --seq-len {seq_len}: need at least {need} tokens "
             f"(one train sample{' and one eval sample' if eval_fraction > 0 else ''}); "
             "use more data or a shorter --seq-len"
@@ -363,7 +389,7 @@ def open_tokenizer(path: str | os.PathLike[str]) -> AnyTokenizer:
             return HFTokenizer(p / HF_TOKENIZER_FILE)
         if (p / "tokenizer.model").is_file():
             return Tokenizer.from_file(p / "tokenizer.model")
-        raise ValueError(f"tokenizer directory {str(p)!r} holds neither {HF_TOKENIZER_FILE} (Hugging Face) nor "
+        raise DataError(f"tokenizer directory {str(p)!r} holds neither {HF_TOKENIZER_FILE} (Hugging Face) nor "
                          "tokenizer.model (SentencePiece); pass --tokenizer FILE")
     if p.suffix.lower() == ".json" or _is_json_file(p):
         return HFTokenizer(p)
@@ -388,7 +414,7 @@ def tokenizer_vocab_size(path: str | os.PathLike[str]) -> int:
 def check_vocab_size(tokenizer: AnyTokenizer, vocab_size: int | None) -> None:
     """Refuse an explicit ``vocab_size`` that is not the tokenizer's, naming both numbers and the fix."""
     if vocab_size is not None and vocab_size != tokenizer.vocab_size:
-        raise ValueError(
+        raise DataError(
             f"--vocab-size {vocab_size} does not match tokenizer {tokenizer.model_path} with {tokenizer.vocab_size} "
             f"tokens; drop --vocab-size (the vocabulary size follows the tokenizer) or pass --vocab-size "
             f"{tokenizer.vocab_size}"
@@ -413,12 +439,12 @@ def resolve_tokenizer(
     if tokenizer_model is None and bins:
         tokenizer_model = read_token_meta(bins[0]).get("tokenizer_model")
         if not tokenizer_model or not Path(tokenizer_model).is_file():
-            raise ValueError(f"{bins[0]}: its tokenizer model {tokenizer_model!r} is not available; pass --tokenizer")
+            raise DataError(f"{bins[0]}: its tokenizer model {tokenizer_model!r} is not available; pass --tokenizer")
     if tokenizer_model is not None:
         tok = open_tokenizer(tokenizer_model)
         check_vocab_size(tok, vocab_size)
         return tok
     if vocab_size is None:
-        raise ValueError("--vocab-size is required to train the built-in tokenizer (or pass --tokenizer MODEL)")
+        raise DataError("--vocab-size is required to train the built-in tokenizer (or pass --tokenizer MODEL)")
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     return load_or_train_tokenizer(list(paths) or None, vocab_size, cache)

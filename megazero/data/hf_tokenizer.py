@@ -24,6 +24,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from megazero.data.corpus import DataError
+
 __all__ = ["BOS_TOKENS", "EOS_TOKENS", "HF_TOKENIZER_FILE", "HFTokenizer"]
 
 HF_TOKENIZER_FILE = "tokenizer.json"
@@ -59,10 +61,10 @@ class HFTokenizer:
         p = Path(path)
         if p.is_dir():
             if not (p / HF_TOKENIZER_FILE).is_file():
-                raise ValueError(f"tokenizer directory {str(p)!r} has no {HF_TOKENIZER_FILE}")
+                raise DataError(f"tokenizer directory {str(p)!r} has no {HF_TOKENIZER_FILE}")
             p = p / HF_TOKENIZER_FILE
         if not p.is_file():
-            raise ValueError(f"tokenizer file {str(p)!r} does not exist")
+            raise DataError(f"tokenizer file {str(p)!r} does not exist")
         self.model_path = p
         config_file = p.parent / _CONFIG_FILE
         self.config_path = config_file if config_file.is_file() else None
@@ -71,7 +73,7 @@ class HFTokenizer:
             try:
                 config = json.loads(self.config_path.read_text(encoding="utf-8"))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise ValueError(f"{self.config_path} is not a JSON tokenizer config ({e})") from e
+                raise DataError(f"{self.config_path} is not a JSON tokenizer config ({e})") from e
         self._load(p.read_bytes(), config)
 
     def _load(self, raw: bytes, config: dict[str, Any] | None) -> None:
@@ -80,16 +82,16 @@ class HFTokenizer:
         try:
             self._tok = _LibTokenizer.from_str(raw.decode("utf-8"))
         except Exception as e:  # noqa: BLE001 - the library raises plain Exception on a malformed file
-            raise ValueError(f"{self.model_path} is not a Hugging Face tokenizer.json ({e})") from e
+            raise DataError(f"{self.model_path} is not a Hugging Face tokenizer.json ({e})") from e
         self._raw, self._config = raw, config
         self.fingerprint = hashlib.sha256(raw).hexdigest()
         vocab = self._tok.get_vocab(with_added_tokens=True)
         if not vocab:
-            raise ValueError(f"tokenizer {str(self.model_path)!r} has an empty vocabulary")
+            raise DataError(f"tokenizer {str(self.model_path)!r} has an empty vocabulary")
         self.vocab_size = max(vocab.values()) + 1
         self.eos_id = self._special_id(vocab, config, "eos_token", EOS_TOKENS)
         if self.eos_id < 0:
-            raise ValueError(
+            raise DataError(
                 f"tokenizer {str(self.model_path)!r} names no end-of-sequence (eos) token: none of "
                 f"{', '.join(EOS_TOKENS)} is in its vocabulary; put a {_CONFIG_FILE} with \"eos_token\" beside "
                 f"it, as a Hugging Face model directory has"
@@ -101,7 +103,7 @@ class HFTokenizer:
         named = _token_content((config or {}).get(key))
         if named is not None:
             if named not in vocab:
-                raise ValueError(f"{self.config_path}: {key} {named!r} is not in the vocabulary of {self.model_path}")
+                raise DataError(f"{self.config_path}: {key} {named!r} is not in the vocabulary of {self.model_path}")
             return vocab[named]
         return next((vocab[t] for t in known if t in vocab), -1)
 

@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from megazero.data.corpus import DataError
+
 __all__ = ["DistributedBatchSampler", "collate"]
 
 
@@ -143,7 +145,7 @@ class DistributedBatchSampler:
         """
         for key in ("num_samples", "seed", "shuffle"):
             if key in state and state[key] != getattr(self, key):
-                raise ValueError(
+                raise DataError(
                     f"sampler state was saved with {key}={state[key]!r} but this run has {key}="
                     f"{getattr(self, key)!r}; resuming would change the data order (use the same data and seed)"
                 )

@@ -19,7 +19,8 @@ from typing import Any
 import sentencepiece as spm
 from filelock import FileLock
 
-from megazero.data.corpus import corpus_fingerprint, expand_paths, read_text_documents
+from megazero.data.corpus import DataError, corpus_fingerprint, expand_paths, read_text_documents
+from megazero.observe.log import get_logger
 
 __all__ = [
     "DEFAULT_INPUT_SENTENCE_SIZE",
@@ -49,17 +50,17 @@ class Tokenizer:
     def __init__(self, model_path: str | os.PathLike[str]) -> None:
         self.model_path = Path(model_path)
         if not self.model_path.is_file():
-            raise ValueError(f"tokenizer model {str(self.model_path)!r} does not exist")
+            raise DataError(f"tokenizer model {str(self.model_path)!r} does not exist")
         self._load(self.model_path.read_bytes())
 
     def _load(self, proto: bytes) -> None:
         try:
             self._sp = spm.SentencePieceProcessor(model_proto=proto)
         except (RuntimeError, OSError) as e:
-            raise ValueError(f"{self.model_path} is not a SentencePiece model ({e})") from e
+            raise DataError(f"{self.model_path} is not a SentencePiece model ({e})") from e
         self._fingerprint = hashlib.sha256(proto).hexdigest()
         if self._sp.eos_id() < 0:
-            raise ValueError(f"tokenizer model {str(self.model_path)!r} has no end-of-sequence (eos) token")
+            raise DataError(f"tokenizer model {str(self.model_path)!r} has no end-of-sequence (eos) token")
         space_bytes = [self._sp.piece_to_id(f"<0x{b:02X}>") for b in _SPACE_PIECE.encode()]
         self._space_ids = space_bytes if self._sp.unk_id() not in space_bytes else None
 
@@ -230,13 +231,14 @@ def _train(
     documents: Iterable[str], vocab_size: int, out_path: Path, input_sentence_size: int, max_train_bytes: int,
     num_threads: int, seed: int,
 ) -> None:
+    read = [0]  # bytes of text handed to the trainer
+
     def sentences() -> Iterator[str]:
-        total = 0
         for doc in documents:
             for sentence in text_to_sentences(doc):
                 yield sentence
-                total += len(sentence.encode("utf-8"))
-                if total >= max_train_bytes:
+                read[0] += len(sentence.encode("utf-8"))
+                if read[0] >= max_train_bytes:
                     return
 
     spm.set_random_generator_seed(seed)
@@ -251,10 +253,14 @@ def _train(
         os.chmod(tmp_name, 0o644)
         actual = spm.SentencePieceProcessor(model_file=tmp_name).get_piece_size()
         if actual != vocab_size:
-            raise ValueError(f"trained tokenizer has {actual} pieces, not the requested --vocab-size {vocab_size}")
+            raise DataError(f"the trained tokenizer has {actual} pieces, not the requested --vocab-size {vocab_size}: "
+                            "the corpus is too small for that vocabulary; lower --vocab-size or add data")
         os.replace(tmp_name, out_path)
     except RuntimeError as e:
-        raise ValueError(
+        if read[0] == 0:
+            raise DataError("the corpus holds no text (its files are empty, or its JSONL \"text\" fields are): "
+                            "give data files with text") from e
+        raise DataError(
             f"cannot train a SentencePiece BPE tokenizer with --vocab-size {vocab_size} on this corpus: {e}. "
             "The vocabulary needs room for 256 byte pieces, 4 special pieces and every distinct character "
             "of the corpus (raise --vocab-size if it is below that), and enough text to learn the remaining "
@@ -297,7 +303,7 @@ def load_or_train_tokenizer(
         seed: SentencePiece's random seed (sentence shuffling).
 
     Raises:
-        ValueError: if the corpus cannot support ``vocab_size`` or the source is unusable.
+        DataError: if the corpus cannot support ``vocab_size`` or the source is unusable.
     """
     if vocab_size <= 0:
         raise ValueError(f"--vocab-size must be positive, got {vocab_size}")
@@ -313,7 +319,11 @@ def load_or_train_tokenizer(
         else:
             files = expand_paths(source)
         if not files:
-            raise ValueError("load_or_train_tokenizer: the tokenizer training corpus has no files")
+            raise DataError("the tokenizer's training corpus has no files: give data files with text")
+        if all(f.stat().st_size == 0 for f in files):
+            raise DataError(f"data {'file' if len(files) == 1 else 'files'} {', '.join(map(str, files[:3]))}"
+                            f"{' ...' if len(files) > 3 else ''} {'is' if len(files) == 1 else 'are all'} empty; give "
+                            "files with text")
         if fingerprint is None:
             fingerprint = corpus_fingerprint(files)
 
@@ -328,6 +338,8 @@ def load_or_train_tokenizer(
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path) + ".lock"):
         if not path.is_file():
+            get_logger().info("training the tokenizer (first run only: a %d-piece SentencePiece BPE, cached in %s)...",
+                              vocab_size, path.parent)
             _train(
                 documents_factory(), vocab_size, path, input_sentence_size, max_train_bytes,
                 num_threads, seed,
