@@ -28,8 +28,8 @@ attention core (q, k, v -> softmax(QK^T)V, Megatron-LM's selective recompute), w
 S^2 when attention dropout runs unfused. Dropout masks are identical in the recomputation (RNG states restored).
 
 For pipeline parallelism, one :class:`GPT` holds a contiguous range of layers: ``pre_process`` adds the
-embeddings (first stage), ``post_process`` the final LayerNorm and LM head (last stage; it keeps its own copy
-of the token embedding, kept equal to the first stage's by the pipeline). Blocks are keyed by their global
+embeddings (first stage), ``post_process`` the final norm and the output layer (last stage: ``lm_head``, or
+when tied its own copy of the token embedding, kept equal to the first stage's by the pipeline). Blocks are keyed by their global
 layer index, so a parameter has the same name (``blocks.5.mlp.fc.weight``) in every topology.
 
 Decoding runs these same modules with a :class:`~megazero.model.cache.KVCache` (``forward(x, cache=cache)``):
