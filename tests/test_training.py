@@ -66,6 +66,7 @@ def test_default_run_learns(subprocess_env, tmp_path):
     assert records[0]["loss"] > 6.5 and records[-1]["loss"] < records[0]["loss"] - 2.0, records[-1]["loss"]
     assert records[-1]["eval_loss"] < 5.0
     assert "checkpoint: nothing saved; pass --save DIR to keep the model" in r.stdout, r.stdout[-2000:]
+    assert "INFO training the tokenizer (first run only" in r.stdout.splitlines()[0], r.stdout[:2000]  # fresh cache
 
 
 @pytest.mark.parametrize("args, message", [
