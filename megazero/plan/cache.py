@@ -54,6 +54,7 @@ def cache_key(cfg: Config, c: Cluster, device_type: str, code: str | None = None
     """The hash of everything that determines a dry run's report (module docstring)."""
     config = dataclasses.asdict(cfg)
     config.pop("logging", None)
+    config.pop("explicit", None)  # which settings were typed, not what they are: the same run either way
     blob = json.dumps({"config": config, "cluster": dataclasses.asdict(c), "device_type": device_type,
                        "code": code or code_fingerprint()}, sort_keys=True, default=repr)
     return hashlib.sha256(blob.encode()).hexdigest()
