@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 try:
     import megazero  # noqa: F401
@@ -29,7 +30,7 @@ from megazero.config.cli import parse_args
 from megazero.config.schema import ConfigError
 from megazero.distributed.context import ParallelContext, RankGrid, TopologyError
 from megazero.distributed.launch import default_backend, destroy_distributed, detect_env, init_distributed
-from megazero.observe.log import debug_requested, report_failure, setup_logging
+from megazero.observe.log import debug_requested, log_warnings, report_failure, setup_logging
 from megazero.train.loop import run_training
 from megazero.train.resume import micro_batch_given, resolve_for_resume
 
@@ -74,13 +75,16 @@ def main(argv: list[str] | None = None) -> int:
         return dry_run_main(argv)
     env = detect_env()
     try:
-        cfg = configure_from_inputs(parse_args(argv))  # --init-from, --tokenizer
-        backend = cfg.parallel.backend or default_backend()
-        cfg, resumed = resolve_for_resume(cfg, env.world_size, "cuda" if backend == "nccl" else "cpu",
-                                          micro_given=micro_batch_given(argv, cfg))
+        with warnings.catch_warnings(record=True) as caught:  # logged below: one line each, on rank 0
+            warnings.simplefilter("default")
+            cfg = configure_from_inputs(parse_args(argv))  # --init-from, --tokenizer
+            backend = cfg.parallel.backend or default_backend()
+            cfg, resumed = resolve_for_resume(cfg, env.world_size, "cuda" if backend == "nccl" else "cpu",
+                                              micro_given=micro_batch_given(argv, cfg))
     except (ConfigError, TopologyError) as e:
         return report_failure(e, env.rank, debug=debug)
     log = setup_logging(env.rank, env.world_size)
+    log_warnings(caught, env.rank)
     if resumed:  # the checkpoint's global batch kept, or a given one that differs from it
         (log.warning if resumed.startswith("--global-batch-size") else log.info)(resumed)
     timeout_s = cfg.parallel.dist_timeout_s

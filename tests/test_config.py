@@ -441,3 +441,13 @@ def test_lr_at_rejects_bad_input() -> None:
         lr_at(-1, sched(), 1.0, 10)
     with pytest.raises(ConfigError, match="unknown learning-rate schedule"):
         lr_at(5, sched(name="linear"), 1.0, 10)
+
+
+def test_lr_zero_warns_and_a_negative_lr_reaches_its_own_check() -> None:
+    """--lr 0 trains nothing: a warning says so. --lr -1e-3 is a number to argparse (it was taken for a missing
+    value: "expected one argument"), so --lr's own check names it."""
+    with pytest.warns(ConfigWarning, match=r"--lr \(optimizer.params.lr\) is 0: no step will change the weights"):
+        parse_args(["--lr", "0"]).resolve(1)
+    with pytest.raises(ConfigError, match="--lr must be non-negative, got -0.001"):
+        parse_args(["--lr", "-1e-3"]).resolve(1)
+    assert parse_args(["--seed", "-3", "--lr", "2e-4"]).training.seed == -3

@@ -7,6 +7,7 @@ DeepSpeed file, contradict it only if they differ, and leave every other setting
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import replace
 from typing import Any
 
@@ -65,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pretrain a GPT with tensor, pipeline and ZeRO data parallelism (launch with torchrun).",
         argument_default=argparse.SUPPRESS,
     )
+    # a value such as -1e-3 is a (negative) number, not an unknown option: --lr -1e-3 reaches --lr's own check
+    parser._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
     def add(group: argparse._ArgumentGroup, flag: str, path: str, help: str, **kw: Any) -> None:
         if path.startswith("model."):

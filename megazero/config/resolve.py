@@ -146,6 +146,9 @@ def resolve_config(cfg: Cfg, world_size: int, device_type: str = "cpu") -> Cfg:
     _require(o.decoupled_weight_decay == (o.name == "adamw"), f"optimizer name {o.name!r} contradicts "
              f"decoupled_weight_decay={o.decoupled_weight_decay}: 'adamw' is decoupled, 'adam' is L2-style")
     _require(o.lr >= 0, f"--lr must be non-negative, got {o.lr}")
+    if o.lr == 0:
+        warnings.warn("--lr (optimizer.params.lr) is 0: no step will change the weights, nothing will train; give "
+                      "a positive learning rate such as 1e-3", ConfigWarning, stacklevel=2)
     _require(all(0.0 <= b < 1.0 for b in o.betas), f"--adam-beta1/--adam-beta2 must be in [0, 1), got {o.betas}")
     _require(o.eps > 0, f"--adam-eps must be positive, got {o.eps}")
     _require(o.weight_decay >= 0, f"--weight-decay must be non-negative, got {o.weight_decay}")

@@ -10,15 +10,16 @@ import logging
 import os
 import sys
 import traceback
+import warnings
 from collections.abc import Sequence
 
 import torch
 
-from megazero.config.errors import ConfigError, UserError
+from megazero.config.errors import ConfigError, ConfigWarning, UserError
 from megazero.distributed.context import TopologyError
 from megazero.distributed.failure import announce_failure, explain_peer_failure, is_peer_failure
 
-__all__ = ["DEBUG_ENV", "debug_requested", "get_logger", "report_failure", "setup_logging"]
+__all__ = ["DEBUG_ENV", "debug_requested", "get_logger", "log_warnings", "report_failure", "setup_logging"]
 
 DEBUG_ENV = "MEGAZERO_DEBUG"  # non-empty and not "0": a failure prints its traceback too
 _SETTINGS = (ConfigError, TopologyError)  # a setting is wrong: the line says all, exit status 2 as argparse
@@ -39,6 +40,17 @@ def setup_logging(rank: int, world_size: int, level: int = logging.INFO) -> logg
 
 def get_logger() -> logging.Logger:
     return logging.getLogger("megazero")
+
+
+def log_warnings(caught: list[warnings.WarningMessage], rank: int) -> None:
+    """Warnings caught while the settings were read: a :class:`~megazero.config.errors.ConfigWarning` is the same
+    on every rank, so rank 0 logs it as one line; any other warning is shown as Python shows it."""
+    for w in caught:
+        if issubclass(w.category, ConfigWarning):
+            if rank == 0:
+                get_logger().warning("%s", w.message)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
 
 def debug_requested(argv: Sequence[str] = ()) -> bool:
