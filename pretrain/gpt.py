@@ -27,12 +27,13 @@ import torch
 
 from megazero.checkpoint.hf_import import configure_from_inputs
 from megazero.config.cli import parse_args
+from megazero.config.errors import UserError
 from megazero.config.schema import ConfigError
 from megazero.distributed.context import ParallelContext, RankGrid, TopologyError
 from megazero.distributed.launch import default_backend, destroy_distributed, detect_env, init_distributed
 from megazero.observe.log import debug_requested, log_warnings, report_failure, setup_logging
 from megazero.train.loop import run_training
-from megazero.train.resume import micro_batch_given, resolve_for_resume
+from megazero.train.resume import resolve_for_resume
 
 
 def dry_run_main(argv: list[str]) -> int:
@@ -77,11 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with warnings.catch_warnings(record=True) as caught:  # logged below: one line each, on rank 0
             warnings.simplefilter("default")
-            cfg = configure_from_inputs(parse_args(argv))  # --init-from, --tokenizer
+            cfg = configure_from_inputs(parse_args(argv))  # --init-from, --tokenizer (or a .bin's)
             backend = cfg.parallel.backend or default_backend()
             cfg, resumed = resolve_for_resume(cfg, env.world_size, "cuda" if backend == "nccl" else "cpu",
-                                              micro_given=micro_batch_given(argv, cfg))
-    except (ConfigError, TopologyError) as e:
+                                              micro_given="training.micro_batch_size" in cfg.explicit)
+    except (UserError, TopologyError) as e:  # a setting, or a file the settings name
         return report_failure(e, env.rank, debug=debug)
     log = setup_logging(env.rank, env.world_size)
     log_warnings(caught, env.rank)

@@ -67,20 +67,22 @@ def saved(data_cache, tmp_path_factory):
 
 
 def _bad_data(root: Path, cache: str) -> dict[str, Path]:
-    """Data a user may bring: a missing path, an empty file, Latin-1 text, JSONL without "text", and a .bin
-    (with its sidecar) that holds a token id beyond its tokenizer's 512."""
+    """Data a user may bring: a missing path, an empty file, Latin-1 text, JSONL without "text", a .bin (with
+    its sidecar) that holds a token id beyond its tokenizer's 512, and a good .bin of that tokenizer."""
     import numpy as np
 
     from megazero.data import resolve_tokenizer, write_token_file
 
     root.mkdir()
     out = {"no_file": root / "none.txt", "empty": root / "empty.txt", "latin1": root / "latin1.txt",
-           "no_text": root / "no_text.jsonl", "beyond": root / "beyond.bin"}
+           "no_text": root / "no_text.jsonl", "beyond": root / "beyond.bin", "own": root / "own.bin"}
     out["empty"].write_text("")
     out["latin1"].write_bytes(b"caf\xe9 au lait\n" * 50)
     out["no_text"].write_text("".join(json.dumps({"body": f"document {i}"}) + "\n" for i in range(30)))
     tok = resolve_tokenizer([], 512, cache)
     write_token_file(out["beyond"], [np.arange(4000) % 500], np.uint16, vocab_size=512,
+                     tokenizer_fingerprint=tok.fingerprint, tokenizer_model=str(tok.model_path))
+    write_token_file(out["own"], [np.arange(4000) % 500], np.uint16, vocab_size=512,
                      tokenizer_fingerprint=tok.fingerprint, tokenizer_model=str(tok.model_path))
     ids = np.memmap(out["beyond"], dtype=np.uint16, mode="r+")
     ids[1234] = 700
@@ -90,7 +92,7 @@ def _bad_data(root: Path, cache: str) -> dict[str, Path]:
 
 def test_errors_are_one_line_per_rank_without_traceback(saved, subprocess_env, tmp_path):
     """Started together: --data of a missing path, an empty file, non-UTF-8 text, JSONL without "text", a .bin
-    with a token id beyond the vocabulary; --load of a missing directory, a deleted shard, a truncated shard, another
+    with a token id beyond the vocabulary, a good .bin without --vocab-size (its tokenizer's size is used); --load of a missing directory, a deleted shard, a truncated shard, another
     model size;
     the same with --debug (the traceback, then the line); two ranks under torchrun (each worker's stderr in its
     own file: one line each, none repeated); and a good resume at dp 1 of the dp-2 checkpoint, which keeps its
@@ -104,7 +106,7 @@ def test_errors_are_one_line_per_rank_without_traceback(saved, subprocess_env, t
     data = _bad_data(tmp_path / "data", subprocess_env["MEGAZERO_CACHE"])
     base = [*SMALL_FLAGS, *FOUR, "--train-steps", "5", "--log-dir", str(tmp_path / "log")]
     missing = ["--load", str(tmp_path / "nonexistent")]
-    cases = {**{name: ["--data", str(path)] for name, path in data.items()},
+    cases = {**{name: ["--data", str(path)] for name, path in data.items() if name != "own"},
              "missing": missing, "debug": [*missing, "--debug"],
              "deleted": ["--load", str(tmp_path / "deleted")],
              "truncated": ["--load", str(tmp_path / "truncated")],
@@ -112,6 +114,9 @@ def test_errors_are_one_line_per_rank_without_traceback(saved, subprocess_env, t
              "resume": ["--load", str(root / "ck"), "--log-dir", str(tmp_path / "ok"), "--train-steps", "7",
                         "--log-interval", "1", "--save", str(tmp_path / "ok" / "ck"), "--warmup-steps", "100"]}
     procs = {name: _start([*base, *flags], subprocess_env) for name, flags in cases.items()}
+    no_vocab = [f for i, f in enumerate(base) if "--vocab-size" not in base[max(0, i - 1): i + 1]]
+    procs["own"] = _start([*no_vocab, "--data", str(data["own"]), "--train-steps", "1", "--log-dir",
+                           str(tmp_path / "own")], subprocess_env)  # the preset says 1024, the .bin's tokenizer 512
     logs = tmp_path / "torchrun"
     procs["torchrun"] = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--log-dir",
@@ -134,6 +139,8 @@ def test_errors_are_one_line_per_rank_without_traceback(saved, subprocess_env, t
     for rank in range(2):
         [err_file] = logs.glob(f"*/attempt_0/{rank}/stderr.log")
         assert_one_line((1, "", err_file.read_text()), rank, "does not exist")
+    code, out, err = r["own"]
+    assert code == 0 and err == "" and "vocab 512 (padded 512)" in out, (err[-3000:], out[-2000:])
     code, out, err = r["resume"]
     assert code == 0 and err == "", err[-3000:]  # the setting's warning is a log line, not Python's two
     assert "WARNING --warmup-steps (scheduler.params.warmup_num_steps) 100 exceeds --train-steps 7" in out, out

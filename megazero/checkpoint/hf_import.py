@@ -16,8 +16,9 @@
    ``DIR``'s tokenizer (``tokenizer.json``, else ``tokenizer.model``) becomes the run's unless ``--tokenizer``
    is given, and the vocabulary is config.json's ``vocab_size``; a tokenizer of another size is refused,
    naming both (megazero's vocabulary is its tokenizer's, so embedding rows no token reaches are not
-   trained silently). Without ``--init-from`` the same function lets ``--tokenizer`` set the vocabulary
-   unless ``--vocab-size`` was given, which must then agree.
+   trained silently). Without ``--init-from`` the same function lets ``--tokenizer`` (or, without it, the
+   tokenizer a ``.bin`` of ``--data`` was made with) set the vocabulary unless ``--vocab-size`` was given, which
+   must then agree.
 2. **Materialisation** (:func:`hf_initializer`, the recipe's materialiser): ZeRO asks for one parameter's
    initial value at a time (stages 0-2), or one gather unit's (stage 3), at this rank's TP-shard shape. The
    value is cut out of the Hugging Face tensors with ``safe_open(...).get_slice``, which reads only the
@@ -44,7 +45,7 @@ from torch import nn
 
 from megazero.config.errors import ConfigError
 from megazero.config.schema import Config, ModelConfig
-from megazero.data import check_vocab_size, open_tokenizer
+from megazero.data import check_vocab_size, open_tokenizer, sidecar_tokenizer
 from megazero.distributed.group import Group
 from megazero.model.gpt import GPT
 from megazero.model.hf import HFPart, hf_parts
@@ -246,10 +247,11 @@ def configure_from_inputs(cfg: Config) -> Config:
     vocabulary (module docstring). Call before :meth:`Config.resolve`; raises :class:`ConfigError`."""
     if cfg.training.init_from is not None:
         cfg = _from_hf_dir(cfg)
-    if cfg.data.tokenizer is None:
+    tokenizer = cfg.data.tokenizer or sidecar_tokenizer(cfg.data.paths)  # a .bin's: the one it was made with
+    if tokenizer is None:
         return cfg
     try:
-        tok = open_tokenizer(cfg.data.tokenizer)
+        tok = open_tokenizer(tokenizer)
     except (OSError, ValueError) as e:
         raise ConfigError(f"--tokenizer: {e}") from e
     if tok.vocab_size == cfg.model.vocab_size:

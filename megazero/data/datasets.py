@@ -45,6 +45,7 @@ __all__ = [
     "open_tokenizer",
     "read_token_meta",
     "resolve_tokenizer",
+    "sidecar_tokenizer",
     "token_dtype",
     "tokenize_documents",
     "tokenizer_vocab_size",
@@ -421,6 +422,14 @@ def check_vocab_size(tokenizer: AnyTokenizer, vocab_size: int | None) -> None:
         )
 
 
+def sidecar_tokenizer(paths: Sequence[str | os.PathLike[str]]) -> str | None:
+    """The tokenizer the first ``.bin`` of ``paths`` was made with (its sidecar's ``tokenizer_model``), if that
+    file exists: the run's tokenizer, and so its vocabulary, when ``--tokenizer`` is not given."""
+    bins = [str(p) for p in paths if str(p).endswith(".bin")]
+    model = read_token_meta(bins[0]).get("tokenizer_model") if bins else None
+    return model if model and Path(model).is_file() else None
+
+
 def resolve_tokenizer(
     paths: Sequence[str | os.PathLike[str]], vocab_size: int | None,
     cache_dir: str | os.PathLike[str] | None = None, tokenizer_model: str | os.PathLike[str] | None = None,
@@ -437,9 +446,10 @@ def resolve_tokenizer(
     """
     bins = [str(p) for p in paths if str(p).endswith(".bin")]
     if tokenizer_model is None and bins:
-        tokenizer_model = read_token_meta(bins[0]).get("tokenizer_model")
-        if not tokenizer_model or not Path(tokenizer_model).is_file():
-            raise DataError(f"{bins[0]}: its tokenizer model {tokenizer_model!r} is not available; pass --tokenizer")
+        tokenizer_model = sidecar_tokenizer(bins)
+        if tokenizer_model is None:
+            named = read_token_meta(bins[0]).get("tokenizer_model")
+            raise DataError(f"{bins[0]}: its tokenizer model {named!r} is not available; pass --tokenizer")
     if tokenizer_model is not None:
         tok = open_tokenizer(tokenizer_model)
         check_vocab_size(tok, vocab_size)

@@ -15,25 +15,10 @@ from dataclasses import replace
 from typing import Any
 
 from megazero.checkpoint.store import MANIFEST, CheckpointError, find_checkpoint
-from megazero.config.cli import build_parser
 from megazero.config.errors import ConfigError
 from megazero.config.schema import Config
 
-__all__ = ["micro_batch_given", "resolve_for_resume"]
-
-
-def micro_batch_given(argv: list[str], cfg: Config) -> bool:
-    """Whether ``--micro-batch-size`` (or the DeepSpeed file's ``train_micro_batch_size_per_gpu``) was given."""
-    if "training.micro_batch_size" in vars(build_parser().parse_args(argv)):
-        return True
-    if cfg.deepspeed_config is None:
-        return False
-    try:
-        with open(cfg.deepspeed_config, encoding="utf-8") as f:
-            value = json.load(f).get("train_micro_batch_size_per_gpu")
-    except (OSError, ValueError, AttributeError):
-        return False
-    return value not in (None, "auto")
+__all__ = ["resolve_for_resume"]
 
 
 def _saved_training(cfg: Config) -> tuple[Any, dict[str, Any]] | None:
@@ -56,7 +41,8 @@ def resolve_for_resume(cfg: Config, world_size: int, device_type: str = "cpu",
     line to log: what was kept, or that a given global batch differs from the checkpoint's (else None).
 
     The micro-batch in force is kept when it divides the global batch over dp; otherwise, unless it was given
-    (``micro_given``: then :class:`ConfigError`), the largest one below it that does.
+    (``micro_given``: ``"training.micro_batch_size" in cfg.explicit``, then :class:`ConfigError`), the largest one
+    below it that does.
     """
     resolved = cfg.resolve(world_size, device_type)
     saved = _saved_training(cfg) if cfg.training.load is not None else None
