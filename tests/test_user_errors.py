@@ -258,7 +258,7 @@ def _tool_parser(name: str, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["generate", "convert_checkpoint", "estimate_memory", "plan", "plot_metrics",
-                                  "mutation_check"])
+                                  "mutation_check", "preprocess_data"])
 def test_tool_help_shows_every_default(name, monkeypatch):
     """Every option of every tool whose default is a value says it in --help."""
     parser = _tool_parser(name, monkeypatch)

@@ -59,13 +59,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cache-dir", default=None, help="tokenizer cache root (default: $MEGAZERO_CACHE or "
                         "~/.cache/megazero)")
     parser.add_argument("--batch-size", type=int, default=256, help="documents encoded per batch (a batch also "
-                        "ends once it holds --batch-chars characters)")
+                        "ends once it holds --batch-chars characters; default: %(default)s)")
     parser.add_argument("--batch-chars", type=int, default=1 << 20, help="characters per batch at most, "
-                        "give or take one document (keeps the workers evenly loaded on long documents)")
+                        "give or take one document (keeps the workers evenly loaded on long documents; default: "
+                        "%(default)s)")
     parser.add_argument("--num-threads", type=int, default=1, help="the tokenizer's own threads within one "
-                        "process (SentencePiece's, or the tokenizers library's pool when > 1)")
+                        "process (SentencePiece's, or the tokenizers library's pool when > 1; default: %(default)s)")
     parser.add_argument("--workers", type=int, default=1, help="processes encoding batches of documents in "
-                        "parallel (the output does not depend on it)")
+                        "parallel (the output does not depend on it; default: %(default)s)")
     args = parser.parse_args(argv)
     if args.tokenizer is None and args.vocab_size is None:
         parser.error("one of --tokenizer PATH or --vocab-size N is required")
