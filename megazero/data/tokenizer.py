@@ -336,10 +336,11 @@ def load_or_train_tokenizer(
     if path.is_file():
         return Tokenizer(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    # said by every rank (rank 0 shows it) before the lock: one of them trains, the others wait for it
+    get_logger().info("training the tokenizer (first run only: a %d-piece SentencePiece BPE, cached in %s)...",
+                      vocab_size, path.parent)
     with FileLock(str(path) + ".lock"):
         if not path.is_file():
-            get_logger().info("training the tokenizer (first run only: a %d-piece SentencePiece BPE, cached in %s)...",
-                              vocab_size, path.parent)
             _train(
                 documents_factory(), vocab_size, path, input_sentence_size, max_train_bytes,
                 num_threads, seed,
