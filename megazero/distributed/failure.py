@@ -25,7 +25,7 @@ __all__ = ["PeerError", "announce_failure", "explain_peer_failure", "is_peer_fai
 _KEY, _COUNT = "megazero/failed/{}", "megazero/failed_ranks"
 _LOST = "lost a peer"  # what a rank that only lost its peer posts
 _CLOSED = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",
-           "communicator was aborted", "nccl error", "remote process exited", "socket closed")
+           "communicator was aborted", "remote process exited", "socket closed")
 _TIMED_OUT = ("timed out", "timeout", "watchdog")
 
 
