@@ -14,6 +14,9 @@ it over ``pp_group``. The token is also broadcast from TP rank 0, so every rank 
 Checkpoints load from a sharded ``--save`` directory of any topology (this rank's TP shard read straight from
 the shards, resharded as needed), a merged ``tools/convert_checkpoint.py`` export, or a Hugging Face GPT-2 or
 Llama directory (this rank's slices, read as ``--init-from`` reads them) (:func:`load_model`).
+
+Generation runs at cp 1 (:data:`CP_REFUSAL`): decoding feeds a few new tokens per step, with no sequence to split
+over a context-parallel group, and checkpoints do not depend on cp, so a model trained at any cp decodes here.
 """
 
 from __future__ import annotations
@@ -36,8 +39,11 @@ from megazero.model.cache import KVCache
 from megazero.model.gpt import GPT
 from megazero.tensor_parallel.layers import shard_full_tensor, tp_size_rank
 
-__all__ = ["SamplingConfig", "TextCodec", "generate_ids", "generate_samples", "load_model", "load_tokenizer",
-           "read_prompts", "sample_next"]
+__all__ = ["CP_REFUSAL", "SamplingConfig", "TextCodec", "generate_ids", "generate_samples", "load_model",
+           "load_tokenizer", "read_prompts", "sample_next"]
+
+CP_REFUSAL = ("generation runs at cp 1, got cp {cp}: decoding adds a few tokens per step, there is no sequence to "
+              "split over a context-parallel group; drop --cp (checkpoints load at any cp)")
 
 
 @dataclass(frozen=True)
@@ -127,6 +133,8 @@ def generate_ids(chunks: GPT | list[GPT], prompt: list[int], cfg: SamplingConfig
     """
     chunks = [chunks] if isinstance(chunks, GPT) else list(chunks)
     mcfg = chunks[0].cfg
+    if chunks[0].cp_size > 1:
+        raise ValueError(CP_REFUSAL.format(cp=chunks[0].cp_size))
     if not prompt:
         raise ValueError("the prompt is empty; give at least one token of text")
     if len(prompt) + cfg.max_new_tokens > mcfg.seq_len:

@@ -55,7 +55,8 @@ def dry_run_main(argv: list[str]) -> int:
     try:
         cfg = configure_from_inputs(parse_args(rest))
         par = cfg.parallel
-        cfg = cfg.resolve(par.tp_size * par.pp_size * (par.dp_size or 1), device_type=known.device_type)
+        cfg = cfg.resolve(par.tp_size * par.cp_size * par.pp_size * (par.dp_size or 1),
+                          device_type=known.device_type)
         c = cluster(known.gpu, known.gpus_per_node, efficiency=known.efficiency,
                     memory_bytes=known.memory_gb * 1e9 if known.memory_gb else None)
     except (ConfigError, TopologyError, ValueError) as e:
@@ -92,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         init_distributed(backend, timeout_s)
         ctx = ParallelContext.from_grid(
-            RankGrid(env.world_size, cfg.parallel.tp_size, cfg.parallel.pp_size, cfg.parallel.dp_size),
+            RankGrid(env.world_size, cfg.parallel.tp_size, cfg.parallel.pp_size, cfg.parallel.dp_size,
+                     cfg.parallel.cp_size),
             timeout_s=timeout_s)
         device = torch.device("cuda", env.local_rank) if backend == "nccl" else torch.device("cpu")
         if device.type == "cpu" and env.world_size > 1 and "OMP_NUM_THREADS" not in os.environ:

@@ -25,6 +25,20 @@ def train_runs(ctx, runs: list[list[str]], cache: str, log_dir: str) -> list[tup
     return out
 
 
+def dp_volumes(ctx, engine, micro_batches: int, steps: int = 2, shape: tuple[int, int] = (2, 32),
+               vocab: int = 512) -> list[int]:
+    """The ledger's ZeRO-group volume of each of ``steps`` steps of ``engine`` over the same random micro-batches
+    (seeded by the DP rank: each DP rank its own samples, its CP ranks the same ones)."""
+    gen = torch.Generator().manual_seed(ctx.dp_rank)
+    batch = [(torch.randint(0, vocab, shape, generator=gen), torch.randint(0, vocab, shape, generator=gen))
+             for _ in range(micro_batches)]
+    volumes = []
+    for _ in range(steps):
+        engine.train_step(batch)
+        volumes.append(ctx.ledger.dp_volume_last_step())
+    return volumes
+
+
 def merge_runs(results: list) -> list[tuple[list[float], dict]]:
     """Per run: rank 0's losses and the whole model's state merged over pipeline stages (first copy wins)."""
     merged = []

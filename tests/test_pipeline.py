@@ -11,7 +11,7 @@ from megazero.pipeline.partition import PipelineLayoutError, partition_layers, s
 from megazero.pipeline.schedules import ScheduleError, build_schedule, simulate
 from megazero.train.engine import Engine
 from megazero.train.loop import run_training
-from tests.common import SMALL_FLAGS, assert_matches_reference, merge_runs
+from tests.common import SMALL_FLAGS, assert_matches_reference, dp_volumes, merge_runs
 from tests.dist import run_world
 from tests.reference import RefSpec, run_reference
 
@@ -171,13 +171,7 @@ def _dp_volume(ctx, cache: str):
                               "32", "--hidden-size", "64", "--num-heads", "4", "--cache-dir", cache])
             cfg = replace(cfg, zero=replace(cfg.zero, stage3_param_persistence_threshold=0)).resolve(ctx.world_size)
             engine = Engine(cfg, ctx)
-            gen = torch.Generator().manual_seed(ctx.dp_rank)
-            batch = [(torch.randint(0, 512, (2, 32), generator=gen), torch.randint(0, 512, (2, 32), generator=gen))
-                     for _ in range(m)]
-            volumes = []
-            for _ in range(2):
-                engine.train_step(batch)
-                volumes.append(ctx.ledger.dp_volume_last_step())
+            volumes = dp_volumes(ctx, engine, m)
             psi = sum(p.numel() for c in engine.chunks for p in c.parameters())
             out[(stage, m)] = (volumes, engine.optimizer.padded_numel(), psi)
     for stage in (1, 2):  # interleaved, 2 chunks per rank, m = 2: each backward reduces only its own chunk
@@ -186,13 +180,7 @@ def _dp_volume(ctx, cache: str):
                           str(4 * ctx.dp_size), "--vocab-size", "512", "--seq-len", "32", "--hidden-size", "64",
                           "--num-heads", "4", "--cache-dir", cache]).resolve(ctx.world_size)
         engine = Engine(cfg, ctx)
-        gen = torch.Generator().manual_seed(ctx.dp_rank)
-        batch = [(torch.randint(0, 512, (2, 32), generator=gen), torch.randint(0, 512, (2, 32), generator=gen))
-                 for _ in range(2)]
-        volumes = []
-        for _ in range(2):
-            engine.train_step(batch)
-            volumes.append(ctx.ledger.dp_volume_last_step())
+        volumes = dp_volumes(ctx, engine, 2)
         psi = sum(p.numel() for c in engine.chunks for p in c.parameters())
         out[("interleaved", stage, 2)] = (volumes, engine.optimizer.padded_numel(), psi)
     return out

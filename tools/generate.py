@@ -26,7 +26,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
 import torch
 
 from megazero.config.errors import ConfigError
-from megazero.generate import SamplingConfig, generate_ids, load_model, load_tokenizer
+from megazero.generate import CP_REFUSAL, SamplingConfig, generate_ids, load_model, load_tokenizer
 from megazero.observe.log import DEBUG_ENV, debug_requested, report_failure
 
 __all__ = ["build_parser", "main"]
@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", metavar="PATH", help="SentencePiece .model, Hugging Face tokenizer.json or a "
                    "directory holding one; its vocabulary must be the model's (default: the checkpoint's)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size under torchrun (default: %(default)s)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size: generation runs at 1 only, whatever "
+                   "cp the checkpoint was trained at (default: %(default)s)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: CUDA when available (default: %(default)s)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="compute dtype (default: %(default)s)")
@@ -70,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
                                   stop_at_eos=not args.no_stop)
+        if args.cp != 1:
+            raise ValueError(CP_REFUSAL.format(cp=args.cp))
         grid = RankGrid.from_world(env.world_size, tp_size=args.tp)
     except (ValueError, TopologyError) as e:  # the sampling settings or --tp
         return report_failure(ConfigError(str(e)), env.rank)

@@ -7,7 +7,9 @@ size is unchanged, a run is read straight from the overlapping saved pieces of t
 the full tensor is assembled from every TP shard's pieces, re-sharded for the new TP rank (vocab padding
 follows the new TP size) and sliced. Only the files holding needed pieces are opened, and each file's SHA-256
 is checked on first use. RNG states are restored per rank at an unchanged topology (a resumed run continues
-bit for bit); after a reshard from saved rank 0 (TP tracker: the first saved rank of the same TP rank).
+bit for bit); after a reshard from saved rank 0 (TP tracker: the first saved rank of the same TP rank). Nothing
+read depends on the saved cp: the canonical runs are keyed by parameter and offset, so a run saved at cp 2 resumes
+at cp 1 or 4 like any other change of topology.
 """
 
 from __future__ import annotations
@@ -184,7 +186,8 @@ def _check_compatible(reader: CheckpointReader, cfg: Any, tokenizer: Tokenizer |
 def _rng_source(manifest: dict[str, Any], ctx: ParallelContext) -> tuple[int, int]:
     """Saved ranks whose (default, TP-tracker) RNG states this rank takes."""
     topo = manifest["topology"]
-    if (topo["tp"], topo["pp"], topo["dp"]) == (ctx.tp_size, ctx.pp_size, ctx.dp_size):
+    if (topo["tp"], topo["pp"], topo["dp"], topo.get("cp", 1)) == (ctx.tp_size, ctx.pp_size, ctx.dp_size,
+                                                                    ctx.cp_size):
         return ctx.rank, ctx.rank
     same_tp = [m["rank"] for m in manifest["files"].values() if m["tp_rank"] == ctx.tp_rank]
     return 0, min(same_tp) if same_tp else -1

@@ -1,19 +1,20 @@
 """Saving a checkpoint: what each rank writes, the manifest that makes the shards whole, and the protocol.
 
 A rank stores the runs of the canonical state it owns (:mod:`megazero.checkpoint.canonical`) *canonically*
-(the TP-replicated parameters on TP rank 0 only, stage 0's replicas on DP rank 0 only, the tied embedding
-from the first pipeline stage only) as one flat fp32 tensor per kind in ``rank_{r:05d}.safetensors`` (keys
-``master``, ``exp_avg``, ``exp_avg_sq``), plus its RNG states (``rng.torch``, ``rng.tp`` and ``rng.cuda`` on
-GPUs). The manifest lists, for every parameter by its topology-independent name: full shape, local shape, TP
-partition dim / stride / padded size, and its pieces ``{file, tp, dp, pp, offset, numel, at}``: ``numel``
-elements starting at ``offset`` of TP shard ``tp``'s flattened tensor, stored at ``at`` in that file. The
-pieces of each TP shard tile it exactly (checked when the manifest is written). The manifest also records
-format version, topology, ZeRO stage, precision, model and run config, step, optimizer step count,
-loss-scaler state, sampler state (consumed samples), the tokenizer (its file, SHA-256 and vocabulary size) and
-the SHA-256 and size of every file. The tokenizer is copied beside the shards under its own kind's names: a
-SentencePiece model as ``tokenizer.model``, a Hugging Face one as ``tokenizer.json`` (plus the
-``tokenizer_config.json`` beside it, which names eos and bos), so the step directory opens as a tokenizer
-directory for :func:`megazero.data.open_tokenizer` and ``transformers`` alike.
+(the TP-replicated parameters on TP rank 0 only, stage 0's replicas on DP rank 0 and CP rank 0 only, the tied
+embedding from the first pipeline stage only; ZeRO partitions over DP x CP, so what a rank owns is a run of a
+parameter and the format does not depend on cp) as one flat fp32 tensor per kind in
+``rank_{r:05d}.safetensors`` (keys ``master``, ``exp_avg``, ``exp_avg_sq``), plus its RNG states
+(``rng.torch``, ``rng.tp`` and ``rng.cuda`` on GPUs). The manifest lists, for every parameter by its
+topology-independent name: full shape, local shape, TP partition dim / stride / padded size, and its pieces
+``{file, tp, dp, pp, offset, numel, at}``: ``numel`` elements starting at ``offset`` of TP shard ``tp``'s
+flattened tensor, stored at ``at`` in that file. The pieces of each TP shard tile it exactly (checked when the
+manifest is written). The manifest also records format version, topology, ZeRO stage, precision, model and run
+config, step, optimizer step count, loss-scaler state, sampler state (consumed samples), the tokenizer (its
+file, SHA-256 and vocabulary size) and the SHA-256 and size of every file. The tokenizer is copied beside the
+shards under its own kind's names: a SentencePiece model as ``tokenizer.model``, a Hugging Face one as
+``tokenizer.json`` (plus the ``tokenizer_config.json`` beside it, which names eos and bos), so the step
+directory opens as a tokenizer directory for :func:`megazero.data.open_tokenizer` and ``transformers`` alike.
 
 **Save protocol** (all ranks; :func:`save_checkpoint`): rank 0 prepares the step directory (an incomplete one
 of the same step is removed, a complete one moved aside to ``step_X.replaced``); every rank writes its shard
@@ -66,7 +67,7 @@ def _write_rank_file(engine: TrainState, step_dir: Path) -> dict[str, Any]:
     for p, offset, views in opt.owned_state():
         name, chunk = info[p]
         canonical = ((p.shard_spec.partition_dim is not None or ctx.tp_rank == 0)
-                     and (opt.sharded.optimizer_states or ctx.dp_rank == 0)
+                     and (opt.sharded.optimizer_states or ctx.dp_rank == ctx.cp_rank == 0)
                      and (name != "wte.weight" or chunk.pre_process))
         if canonical:
             n = views["master"].numel()
@@ -127,6 +128,7 @@ def _build_manifest(engine: TrainState, sampler: DistributedBatchSampler | None,
         "consumed_samples": sampler.consumed_samples if sampler is not None else None,
         "sampler": sampler.state_dict() if sampler is not None else None,
         "topology": {"world_size": ctx.world_size, "tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size,
+                     "cp": ctx.cp_size,
                      "pp_schedule": engine.schedule, "virtual_stages": engine.virtual_stages},
         "zero_stage": cfg.zero.stage, "precision": cfg.training.precision,
         "model": dataclasses.asdict(cfg.model), "model_preset": cfg.model_preset,

@@ -16,6 +16,7 @@ from megazero.config.resolve import (
     ARCHS,
     BACKENDS,
     CHECKPOINTING_MODES,
+    CP_ATTENTION_MODES,
     OPTIMIZERS,
     PP_SCHEDULES,
     PRECISIONS,
@@ -83,7 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = parser.add_argument_group("parallelism")
     add(g, "--tp", "parallel.tp_size", "tensor-parallel size", type=int)
     add(g, "--pp", "parallel.pp_size", "pipeline-parallel size (number of stages)", type=int)
-    add(g, "--dp", "parallel.dp_size", "data-parallel size; None derives world/(tp*pp)", type=int)
+    add(g, "--dp", "parallel.dp_size", "data-parallel size; None derives world/(tp*cp*pp)", type=int)
+    add(g, "--cp", "parallel.cp_size", "context-parallel size: each sample's sequence split over this many ranks "
+        "(2*cp load-balanced chunks; ZeRO shards over dp*cp)", type=int)
+    add(g, "--cp-attention", "parallel.cp_attention", "context-parallel attention: ring (K/V passed around the CP "
+        "ring, memory 1/cp) or allgather (K/V gathered per layer)", choices=CP_ATTENTION_MODES)
     add(g, "--sequence-parallel", "parallel.sequence_parallel", "shard LayerNorm/dropout activations over TP",
         action="store_const", const=True)
     add(g, "--pp-schedule", "parallel.pp_schedule", "pipeline schedule", choices=PP_SCHEDULES)

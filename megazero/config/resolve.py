@@ -23,6 +23,7 @@ __all__ = [
     "ARCHS",
     "BACKENDS",
     "CHECKPOINTING_MODES",
+    "CP_ATTENTION_MODES",
     "GRAD_DTYPES",
     "OPTIMIZERS",
     "PP_SCHEDULES",
@@ -38,6 +39,7 @@ Cfg = TypeVar("Cfg")  # a megazero.config.schema.Config
 # Choices shared by the command line (megazero.config.cli) and validation
 ARCHS = ("gpt2", "llama")  # the model families (ModelConfig.arch)
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+CP_ATTENTION_MODES = ("ring", "allgather")  # megazero.context_parallel's modes (a test holds them equal)
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "adamw")
 SCHEDULES = ("cosine", "constant", "warmup_lr", "warmup_decay_lr", "warmup_cosine_lr")
@@ -62,14 +64,14 @@ def resolve_config(cfg: Cfg, world_size: int, device_type: str = "cpu") -> Cfg:
     ``device_type`` ("cpu" or "cuda") is where the ranks will compute: it picks the defaults of
     ``training.precision`` (bf16 on CUDA, fp32 on CPU) and ``training.compile`` (on with CUDA only).
 
-    Derives ``parallel.dp_size = world_size / (tp * pp)`` when unset, the global batch (``micro * dp *
+    Derives ``parallel.dp_size = world_size / (tp * cp * pp)`` when unset, the global batch (``micro * dp *
     accumulation``, accumulation 1 when unset) or the accumulation steps (``global / (micro * dp)``), and
     ``scheduler.decay_steps = train_steps`` when unset. Raises :class:`ConfigError` naming the flag (and the
     DeepSpeed key, where one maps to it) and the fix; last, features that have not landed yet are refused.
     """
     p, m, t, o, s = cfg.parallel, cfg.model, cfg.training, cfg.optimizer, cfg.scheduler
     _require(world_size >= 1, f"world size must be at least 1, got {world_size}")
-    positive = (("--tp", p.tp_size), ("--pp", p.pp_size), ("--dp", p.dp_size),
+    positive = (("--tp", p.tp_size), ("--pp", p.pp_size), ("--dp", p.dp_size), ("--cp", p.cp_size),
                 ("--virtual-stages", p.virtual_stages), ("--num-layers", m.num_layers),
                 ("--hidden-size", m.hidden_size), ("--num-heads", m.num_heads), ("--seq-len", m.seq_len),
                 ("--vocab-size", m.vocab_size), ("--num-kv-heads", m.num_kv_heads),
@@ -82,14 +84,15 @@ def resolve_config(cfg: Cfg, world_size: int, device_type: str = "cpu") -> Cfg:
     for flag, value in positive:
         _require(value is None or value >= 1, f"{flag} must be a positive integer, got {value}")
 
-    # Topology: world = tp * pp * dp.
-    mp = p.tp_size * p.pp_size
+    # Topology: world = tp * cp * pp * dp.
+    mp = p.tp_size * p.cp_size * p.pp_size  # the ranks of one data-parallel replica
+    cp = f" x --cp {p.cp_size}" if p.cp_size != 1 else ""
     dp = p.dp_size
     if dp is None:
-        _require(world_size % mp == 0, f"world size {world_size} is not divisible by --tp {p.tp_size} x --pp "
-                 f"{p.pp_size} = {mp}; launch a multiple of {mp} ranks or change --tp/--pp")
+        _require(world_size % mp == 0, f"world size {world_size} is not divisible by --tp {p.tp_size}{cp} x --pp "
+                 f"{p.pp_size} = {mp}; launch a multiple of {mp} ranks or change --tp/--cp/--pp")
         dp = world_size // mp
-    _require(mp * dp == world_size, f"world size {world_size} != --tp {p.tp_size} x --pp {p.pp_size} x --dp "
+    _require(mp * dp == world_size, f"world size {world_size} != --tp {p.tp_size}{cp} x --pp {p.pp_size} x --dp "
              f"{dp} = {mp * dp}; launch {mp * dp} ranks, or drop --dp to derive it from the world size")
     _require(p.dist_timeout_s > 0, f"--dist-timeout must be positive, got {p.dist_timeout_s}")
     _choice("--backend", p.backend, (None, *BACKENDS))
@@ -117,6 +120,7 @@ def resolve_config(cfg: Cfg, world_size: int, device_type: str = "cpu") -> Cfg:
     _require(not p.sequence_parallel or p.tp_size > 1, "--sequence-parallel needs --tp > 1")
     _require(not p.sequence_parallel or m.seq_len % p.tp_size == 0,
              f"--sequence-parallel needs --seq-len {m.seq_len} divisible by --tp {p.tp_size}")
+    _check_context_parallel(cfg)
 
     # Batch: global = micro * accumulation * dp.
     micro, accum, glob = t.micro_batch_size, t.gradient_accumulation_steps, t.global_batch_size
@@ -273,6 +277,27 @@ def _check_family(m: Any, tp: int) -> None:
              "even")
     _require(m.rope_theta > 0, f"--rope-theta must be positive, got {m.rope_theta}")
     _require(m.layernorm_eps > 0, f"--norm-eps must be positive, got {m.layernorm_eps}")
+
+
+def _check_context_parallel(cfg: Any) -> None:
+    """``--cp`` against the sequence, SP, dropout and generation: each CP rank holds chunks i and 2cp-1-i of
+    2·cp equal chunks, and under SP its S/cp tokens are split again over TP."""
+    p, m = cfg.parallel, cfg.model
+    _choice("--cp-attention", p.cp_attention, CP_ATTENTION_MODES)
+    if p.cp_size == 1:
+        return
+    _require(m.seq_len % (2 * p.cp_size) == 0, f"--cp {p.cp_size} needs --seq-len {m.seq_len} divisible by 2 x cp "
+             f"= {2 * p.cp_size}: context parallelism cuts each sequence into 2 x cp equal chunks; pick a --seq-len "
+             f"that is a multiple of {2 * p.cp_size} or another --cp")
+    _require(not p.sequence_parallel or (m.seq_len // p.cp_size) % p.tp_size == 0,
+             f"--sequence-parallel with --cp {p.cp_size} splits each rank's {m.seq_len // p.cp_size} tokens "
+             f"(--seq-len {m.seq_len} / cp) over --tp {p.tp_size}; pick a --seq-len divisible by cp x tp = "
+             f"{p.cp_size * p.tp_size} and by 2 x cp")
+    _require(m.dropout == 0, f"--dropout {m.dropout} with --cp {p.cp_size}: context-parallel attention has no "
+             "attention dropout; use --dropout 0 (or --cp 1)")
+    _require(cfg.logging.sample_prompts is None, f"--sample-prompts with --cp {p.cp_size}: generation runs at cp 1 "
+             "(decoding adds one token at a time, there is no sequence to split); drop --sample-prompts, or sample "
+             "from a saved checkpoint with tools/generate.py (checkpoints do not depend on cp)")
 
 
 def _check_not_yet_supported(cfg: Cfg) -> None:

@@ -132,7 +132,9 @@ def model_preset(name: str, **overrides: int | float | None) -> ModelConfig:
 class ParallelConfig:
     tp_size: int = 1
     pp_size: int = 1
-    dp_size: int | None = None  # None: world_size // (tp * pp)
+    dp_size: int | None = None  # None: world_size // (tp * cp * pp)
+    cp_size: int = 1  # context parallel: each sample's sequence split over cp ranks (2·cp load-balanced chunks)
+    cp_attention: str = "ring"  # ring | allgather: how attention sees the whole split sequence
     sequence_parallel: bool = False
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
     virtual_stages: int = 1

@@ -7,10 +7,13 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-__all__ = ["VOLUME_TAGS", "CommLedger"]
+__all__ = ["VOLUME_TAGS", "ZERO_GROUPS", "CommLedger"]
 
 # Tags say what a collective moves; the DP volume of the ZeRO formulas counts "grad" and "param" only.
 VOLUME_TAGS = ("grad", "param")
+# The group ZeRO reduces and partitions over: "dp", or "dp_cp" (DP x CP) under context parallelism, where CP ranks
+# hold the same weights; the formulas' Nd is that group's size, dp x cp.
+ZERO_GROUPS = ("dp", "dp_cp")
 
 
 @dataclass
@@ -44,8 +47,13 @@ class CommLedger:
         return dict(self._last_step)
 
     def dp_volume_last_step(self) -> int:
-        """DP-group elements of gradients and parameters in the last step: the figure ZeRO's formulas predict."""
-        return sum(v for (g, _op, tag), v in self._last_step.items() if g == "dp" and tag in VOLUME_TAGS)
+        """Elements of gradients and parameters moved over the ZeRO group (:data:`ZERO_GROUPS`: DP, or DP x CP
+        under context parallelism) in the last step: the figure ZeRO's formulas predict. Per rank and one
+        micro-batch, with Ψ padded to a multiple of Nd = dp·cp: 2Ψ at stages 0-2 (reduce-scatter Ψ + all-gather
+        Ψ, or an all-reduce), 3Ψ at stage 3 (gather in forward and in backward, reduce-scatter); with m
+        micro-batches (m + 1)Ψ at stage 2 and 3mΨ at stage 3. The per-rank figure does not fall with Nd; what
+        falls is each rank's shard, Ψ/Nd."""
+        return sum(v for (g, _op, tag), v in self._last_step.items() if g in ZERO_GROUPS and tag in VOLUME_TAGS)
 
     def breakdown_last_step(self) -> dict[str, int]:
         """The last step as ``{"group/op/tag": elements}``, for metrics.jsonl."""

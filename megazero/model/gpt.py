@@ -32,6 +32,11 @@ embeddings (first stage), ``post_process`` the final norm and the output layer (
 when tied its own copy of the token embedding, kept equal to the first stage's by the pipeline). Blocks are keyed by their global
 layer index, so a parameter has the same name (``blocks.5.mlp.fc.weight``) in every topology.
 
+Context parallelism (``cp_group`` of size > 1): the model takes this CP rank's chunks ``i`` and ``2cp-1-i`` of
+each sequence ([B, S/cp]), reads positions (learned or rotary) at their true offsets (``local_positions``) and
+attends with ``context_parallel_attention`` (which masks by true offsets); all else is per token (under SP the
+CP-local sequence is split over TP). The engine sums the per-token loss over DP x CP; decoding never splits.
+
 Decoding runs these same modules with a :class:`~megazero.model.cache.KVCache` (``forward(x, cache=cache)``):
 each attention appends the new positions' keys and values to its layer's slot and attends over the cached
 prefix, and positions start at the cache's length (learned positions index their table with it, rotary ones
@@ -53,6 +58,7 @@ from einops import rearrange
 from torch import nn
 
 from megazero.config.schema import ActivationCheckpointingConfig, ModelConfig
+from megazero.context_parallel import context_parallel_attention, local_positions
 from megazero.distributed.group import Group
 from megazero.model.cache import KVCache, LayerKV
 from megazero.model.kernels import causal_attention, dropout
@@ -111,9 +117,14 @@ class CausalSelfAttention(nn.Module):
     heads they use (query head j uses KV head j // (num_heads / kv_heads), as Hugging Face Llama)."""
 
     def __init__(self, cfg: ModelConfig, tp_group: Group | None, sequence_parallel: bool = False,
-                 rng_tracker: RNGTracker | None = None, recompute: CheckpointOptions | None = None) -> None:
+                 rng_tracker: RNGTracker | None = None, recompute: CheckpointOptions | None = None,
+                 cp_group: Group | None = None, cp_attention: str = "ring") -> None:
         super().__init__()
         tp_size, _ = tp_size_rank(tp_group)
+        self.cp_group = cp_group if cp_group is not None and cp_group.size > 1 else None
+        self.cp_attention = cp_attention
+        if self.cp_group is not None and cfg.dropout > 0:
+            raise ValueError(f"--dropout {cfg.dropout} with --cp: context-parallel attention has no dropout")
         if cfg.num_heads % tp_size:
             raise ValueError(f"--num-heads ({cfg.num_heads}) must be divisible by --tp ({tp_size})")
         if cfg.num_heads % cfg.kv_heads or cfg.kv_heads % tp_size:
@@ -139,6 +150,8 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = Dropout(cfg.dropout, rng_tracker, sharded=sp)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.cp_group is not None:
+            return self._attend_cp(q, k, v)
         dropout_p = self.dropout if self.training else 0.0
         if dropout_p == 0 or self.rng_tracker is None:
             return causal_attention(q, k, v, dropout_p)
@@ -148,6 +161,11 @@ class CausalSelfAttention(nn.Module):
     def _attend_forked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
         with self.rng_tracker.fork():  # this rank's heads: its own dropout mask (eager under torch.compile)
             return causal_attention(q, k, v, dropout_p)
+
+    @torch.compiler.disable
+    def _attend_cp(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """This CP rank's queries over the whole sequence (K/V heads unrepeated); eager under torch.compile."""
+        return context_parallel_attention(q, k, v, self.cp_group, mode=self.cp_attention)
 
     @staticmethod
     def _attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -160,20 +178,25 @@ class CausalSelfAttention(nn.Module):
 
     def _core(self, qkv: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
         """The attention core: [B, S, (nh + 2 nkv) hd / tp] -> [B, S, H/tp], this rank's heads (over ``kv``'s
-        prefix too). Under SP the qkv layer has gathered the whole sequence, so positions start at 0 (at the
-        cache's length when decoding)."""
+        prefix too). Under SP the qkv layer has gathered the whole (CP-local) sequence, so positions start at 0
+        (at the cache's length when decoding; at this CP rank's true positions under CP)."""
         hd = self.head_dim
         q, k, v = qkv.split([self.local_heads * hd, self.local_kv_heads * hd, self.local_kv_heads * hd], dim=-1)
         q = rearrange(q, "b s (nh hd) -> b nh s hd", hd=hd)  # [B, nh/tp, S, hd]
         k, v = (rearrange(t, "b s (nkv hd) -> b nkv s hd", hd=hd) for t in (k, v))  # [B, nkv/tp, S, hd]
         if self.rotary_theta is not None:
-            start = 0 if kv is None else kv.length
-            positions = torch.arange(start, start + q.shape[2], device=q.device)  # [S]
+            if kv is None and self.cp_group is not None:  # chunks i and 2cp-1-i of the whole sequence
+                cp = self.cp_group
+                positions = local_positions(q.shape[2] * cp.size, cp.rank, cp.size, device=q.device)  # [S/cp]
+            else:
+                start = 0 if kv is None else kv.length
+                positions = torch.arange(start, start + q.shape[2], device=q.device)  # [S]
             cos, sin = rotary_tables(positions, hd, self.rotary_theta, q.dtype)  # [S, hd] each
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if kv is not None:
             k, v = kv.append(k, v)  # the cache holds KV heads: [B, nkv/tp, past + S, hd]
-        if self.local_kv_heads != self.local_heads:  # each KV head serves nh / nkv consecutive query heads
+        if self.local_kv_heads != self.local_heads and (self.cp_group is None or kv is not None):
+            # each KV head serves nh / nkv consecutive query heads (the CP attention takes them unrepeated)
             k, v = (t.repeat_interleave(self.local_heads // self.local_kv_heads, dim=1) for t in (k, v))
         y = self._attend(q, k, v) if kv is None else self._attend_cached(q, k, v)  # [B, nh/tp, S, hd]
         return rearrange(y, "b nh s hd -> b s (nh hd)")  # [B, S, H/tp]
@@ -223,11 +246,13 @@ class Block(nn.Module):
     """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x)) (LayerNorm or RMSNorm)."""
 
     def __init__(self, cfg: ModelConfig, tp_group: Group | None, sequence_parallel: bool = False,
-                 rng_tracker: RNGTracker | None = None, recompute_attention: CheckpointOptions | None = None) -> None:
+                 rng_tracker: RNGTracker | None = None, recompute_attention: CheckpointOptions | None = None,
+                 cp_group: Group | None = None, cp_attention: str = "ring") -> None:
         super().__init__()
         norm = FAMILIES[cfg.arch].norm
         self.ln_1 = norm(cfg.hidden_size, cfg.layernorm_eps)
-        self.attn = CausalSelfAttention(cfg, tp_group, sequence_parallel, rng_tracker, recompute_attention)
+        self.attn = CausalSelfAttention(cfg, tp_group, sequence_parallel, rng_tracker, recompute_attention,
+                                        cp_group, cp_attention)
         self.ln_2 = norm(cfg.hidden_size, cfg.layernorm_eps)
         self.mlp = MLP(cfg, tp_group, sequence_parallel, rng_tracker)
 
@@ -245,6 +270,8 @@ class GPT(nn.Module):
     ``forward(x, cache=cache)`` decodes: ``x`` holds the positions after the cached ones (:meth:`_decode`).
 
     ``rng_tracker`` gives dropout on TP-sharded activations its per-rank RNG stream (:mod:`.random`).
+    ``cp_group`` (size > 1) makes the model context-parallel: it then takes and returns this CP rank's tokens
+    (module docstring), attending with ``cp_attention`` ("ring" or "allgather").
     ``activation_checkpointing`` selects recomputation (module docstring); ``checkpoint_stats`` then counts
     the host bytes of ``cpu_checkpointing`` and the bytes a recomputation saves in backward.
     """
@@ -259,10 +286,13 @@ class GPT(nn.Module):
         sequence_parallel: bool = False,
         rng_tracker: RNGTracker | None = None,
         activation_checkpointing: ActivationCheckpointingConfig | None = None,
+        cp_group: Group | None = None,
+        cp_attention: str = "ring",
     ) -> None:
         super().__init__()
         self.cfg = cfg
         self.tp_group = tp_group
+        self.cp_size, self.cp_rank = tp_size_rank(cp_group)
         self.layers = range(cfg.num_layers) if layers is None else layers
         self.pre_process, self.post_process = pre_process, post_process
         tp_size, self.tp_rank = tp_size_rank(tp_group)
@@ -290,7 +320,8 @@ class GPT(nn.Module):
                                            ac.cpu_checkpointing, rng_tracker, self.checkpoint_stats)
         self.partition_block_input = ac.partition_activations and not sp
         selective = self.recompute if ac.mode == "selective" else None
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp_group, sp, rng_tracker, selective) for i in self.layers})
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp_group, sp, rng_tracker, selective, cp_group, cp_attention)
+                                     for i in self.layers})
         if post_process:
             self.ln_f = family.norm(cfg.hidden_size, cfg.layernorm_eps)
         if post_process and not cfg.tied:  # the untied output layer, vocabulary-parallel like the embedding
@@ -335,13 +366,19 @@ class GPT(nn.Module):
         return (self.wte if self.pre_process else self.output_layer).padded_vocab_size
 
     def embed(self, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """Token (+ learned position) embeddings of positions [start, start + S): [B, S] -> [B, S, H]."""
-        end = start + ids.shape[1]
+        """Token (+ learned position) embeddings of positions [start, start + S): [B, S] -> [B, S, H]; under CP
+        ``ids`` are this rank's two chunks of a sequence of S x cp tokens, at their true positions."""
+        end = start + ids.shape[1] * self.cp_size
         if end > self.cfg.seq_len:
             raise ValueError(f"sequence of {end} tokens exceeds --seq-len {self.cfg.seq_len}")
         tokens = self.wte(ids)  # [B, S, H], or this rank's chunk [B, S/tp, H] with SP
         if not hasattr(self, "wpe"):  # rotary positions are applied inside attention
             return self.drop(tokens)
+        if self.cp_size > 1:  # [S/cp] true positions, this TP rank's run of them under SP
+            at = local_positions(end, self.cp_rank, self.cp_size, tokens.device)
+            if self.sequence_parallel:
+                at = at[self.tp_rank * tokens.shape[1]: (self.tp_rank + 1) * tokens.shape[1]]
+            return self.drop(tokens + self.wpe.weight[at])
         if self.sequence_parallel:
             start += self.tp_rank * tokens.shape[1]
         pos = self.wpe.weight[start: start + tokens.shape[1]]  # [S, H] (or [S/tp, H])

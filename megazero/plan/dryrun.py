@@ -1,7 +1,8 @@
 """Dry run: one real training step per rank role of any topology, on one CPU, with no GPU and no weights.
 
 ``python pretrain/gpt.py --dry-run [any flags]`` runs :func:`dry_run`. A *rank role* is a pipeline stage times
-whether the TP rank holds vocabulary padding; ranks of one role hold the same shapes and move the same volumes,
+whether the TP rank holds vocabulary padding (CP ranks are roles like DP ranks: chunks i and 2cp-1-i give each
+the same shapes, work and volumes); ranks of one role hold the same shapes and move the same volumes,
 so one step per role (:func:`megazero.plan.role.run_role`, on the meta device and torch's ``fake`` backend)
 measures the whole world. Under 1F1B and interleaved a role runs at two short micro-batch counts and its volumes
 are extrapolated (:mod:`megazero.plan.extrapolate`).
@@ -59,7 +60,7 @@ def dry_run(cfg: Config, c: Cluster, log_dir: str | None = None, device_type: st
     start = time.perf_counter()
     p, m, t = cfg.parallel, cfg.model, cfg.training
     step_cfg = replace(cfg, training=replace(t, compile=False))  # nothing to compile for on meta
-    grid = RankGrid(p.tp_size * p.pp_size * p.dp_size, p.tp_size, p.pp_size, p.dp_size)
+    grid = RankGrid(p.tp_size * p.cp_size * p.pp_size * p.dp_size, p.tp_size, p.pp_size, p.dp_size, p.cp_size)
     roles = []
     for rank, padded in rank_roles(grid, m.vocab_size):
         with emulate(device_type):
@@ -93,7 +94,7 @@ def dry_run(cfg: Config, c: Cluster, log_dir: str | None = None, device_type: st
                    f"{worst.peak_bytes / 1e9:.2f} GB > {usable / 1e9:.1f} GB usable on {c.gpu.name}; its largest "
                    f"category is {cat} ({worst.peak_by_category[cat] / 1e9:.2f} GB)")
     report = DryRunReport(
-        topology={"tp": p.tp_size, "pp": p.pp_size, "dp": p.dp_size, "world_size": grid.world_size,
+        topology={"tp": p.tp_size, "cp": p.cp_size, "pp": p.pp_size, "dp": p.dp_size, "world_size": grid.world_size,
                   "zero_stage": cfg.zero.stage, "schedule": schedule, "virtual_stages": v,
                   "micro_batches": t.gradient_accumulation_steps, "micro_batch_size": t.micro_batch_size,
                   "precision": t.precision, "gpus_per_node": c.gpus_per_node, "device_type": device_type,
@@ -113,7 +114,8 @@ def format_report(r: DryRunReport) -> str:
     unit, gb = ("GB", 1e9) if big >= 1e9 else ("MB", 1e6)
     tp = r.topology
     head = ["rank", "pp", "tp", "pad", f"states {unit}", f"host {unit}", f"peak {unit}", "params", "grads", "master",
-            "optim", "acts", "comm", "other", "TP Melem", "PP Melem", "DP Melem", "reads", "step s", "steps", "dry s"]
+            "optim", "acts", "comm", "other", "TP Melem", "CP Melem", "PP Melem", "DP Melem", "reads", "step s",
+            "steps", "dry s"]
     rows = []
     for x in r.roles:
         s = x.states
@@ -124,10 +126,12 @@ def format_report(r: DryRunReport) -> str:
                      f"{states / gb:.2f}", f"{s.get('offloaded_bytes', 0) / gb:.2f}", f"{x.peak_bytes / gb:.2f}",
                      *(f"{c.get(k, 0) / gb:.2f}" for k in ("params", "grads", "master_params", "optimizer_states",
                                                           "activations", "comm_buffers", "other")),
-                     *(f"{x.volumes.get(g, 0) / 1e6:.1f}" for g in ("tp", "pp", "dp")), str(x.host_reads),
+                     *(f"{x.volumes.get(g, 0) / 1e6:.1f}" for g in ("tp", "cp", "pp")),
+                     f"{(x.volumes.get('dp', 0) + x.volumes.get('dp_cp', 0)) / 1e6:.1f}", str(x.host_reads),
                      f"{x.step_seconds.get('total_s', 0):.3f}", str(x.steps), f"{x.wall_seconds:.1f}"])
     widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
-    lines = [f"megazero dry run: tp {tp['tp']} x pp {tp['pp']} x dp {tp['dp']} = {tp['world_size']} ranks, ZeRO "
+    cp = f" x cp {tp['cp']}" if tp.get("cp", 1) > 1 else ""
+    lines = [f"megazero dry run: tp {tp['tp']}{cp} x pp {tp['pp']} x dp {tp['dp']} = {tp['world_size']} ranks, ZeRO "
              f"{tp['zero_stage']}, {tp['precision']}, {tp['micro_batches']} micro-batches of {tp['micro_batch_size']}"
              f" ({tp['schedule']}); {len(r.roles)} rank roles in {r.wall_seconds:.1f} s",
              ""]

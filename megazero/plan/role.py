@@ -22,6 +22,7 @@ from megazero.config.schema import Config
 from megazero.distributed import device_io
 from megazero.distributed.context import ParallelContext, RankGrid
 from megazero.distributed.group import Group
+from megazero.distributed.ledger import ZERO_GROUPS
 from megazero.model.gpt import GPT
 from megazero.observe.flops import flops_shape
 from megazero.observe.memory import PeakMemoryTracker, zero_buffers
@@ -180,7 +181,7 @@ def _agreed_bucket(cfg: Config, ctx: ParallelContext) -> Config:
                       for s in stage_specs(m.num_layers, ctx.pp_size, pp_rank, v, p.pp_layout)]
         return sum(q.numel() for c in chunks for q in c.parameters() if q.requires_grad)
 
-    agreed = min(z.bucket_numel(psi(r), ctx.dp_size) for r in (0, ctx.pp_size - 1))
+    agreed = min(z.bucket_numel(psi(r), ctx.dp_cp_group.size) for r in (0, ctx.pp_size - 1))  # ZeRO's group
     return replace(cfg, zero=replace(z, reduce_bucket_size=agreed))
 
 
@@ -207,7 +208,7 @@ def run_role(cfg: Config, grid: RankGrid, rank: int, c: Cluster | None = None) -
             with device:  # parameters are created without storage (no weights, no initialisation cost)
                 engine = Engine(_agreed_bucket(cfg, ctx), ctx, device)
             t = cfg.training
-            ids = torch.zeros(t.micro_batch_size, cfg.model.seq_len, dtype=torch.long)  # on the host, like collate
+            ids = torch.zeros(t.micro_batch_size, cfg.model.seq_len, dtype=torch.long)  # host, whole, like collate
             batch = [(ids, ids) for _ in range(t.gradient_accumulation_steps)]
             ctx.ledger.mark_step()  # volumes per step: construction's collectives are not the step's
             buffers = functools.partial(zero_buffers, engine.optimizer)
@@ -236,18 +237,20 @@ def run_role(cfg: Config, grid: RankGrid, rank: int, c: Cluster | None = None) -
 
 def roofline_seconds(cfg: Config, grid: RankGrid, rank: int, breakdown: dict[tuple[str, str, str], int],
               c: Cluster) -> dict[str, float]:
-    """Roofline step time of this rank from the volumes it recorded."""
+    """Roofline step time of this rank from the volumes it recorded. Under CP the step's work and ZeRO's group
+    are spread over dp x cp ranks (the CP ring's own traffic is not in the model yet)."""
     m, t = cfg.model, cfg.training
-    crosses = {k: group_nodes(grid.group_of(k, rank), c.gpus_per_node) > 1 for k in ("tp", "pp", "dp")}
+    crosses = {k: group_nodes(grid.group_of(k, rank), c.gpus_per_node) > 1 for k in ("tp", "pp", "dp_cp")}
+    crosses["dp"] = crosses.pop("dp_cp")  # ZeRO's group: dp x cp (the dp group itself at cp 1)
     tp_el = sum(n for (g, _o, _t), n in breakdown.items() if g == "tp")
     pp_el = sum(n for (g, o, _t), n in breakdown.items() if g == "pp" and o == "send")
-    grad_el = sum(n for (g, _o, tag), n in breakdown.items() if g == "dp" and tag == "grad")
-    param_el = sum(n for (g, _o, tag), n in breakdown.items() if g == "dp" and tag == "param")
+    grad_el = sum(n for (g, _o, tag), n in breakdown.items() if g in ZERO_GROUPS and tag == "grad")
+    param_el = sum(n for (g, _o, tag), n in breakdown.items() if g in ZERO_GROUPS and tag == "param")
     v = cfg.parallel.virtual_stages if cfg.parallel.pp_schedule == "interleaved" else 1
     st = step_time(c=c, precision=t.precision, global_batch=t.global_batch_size, seq_len=m.seq_len,
                    num_layers=m.num_layers, hidden=m.hidden_size, vocab=m.vocab_size,
                    checkpointing=cfg.activation_checkpointing.mode, tp=grid.tp_size, pp=grid.pp_size,
-                   dp=grid.dp_size, micro_batches=t.gradient_accumulation_steps, virtual_stages=v,
+                   dp=grid.dp_size * grid.cp_size, micro_batches=t.gradient_accumulation_steps, virtual_stages=v,
                    tp_elements=tp_el, pp_elements=pp_el, dp_grad_elements=grad_el, dp_param_elements=param_el,
                    grad_bytes=2 if t.precision == "fp16" else 4, owned_params=0.0,
                    offload=cfg.zero.offload_optimizer is not None, tp_crosses=crosses["tp"],

@@ -7,7 +7,10 @@ embedding's two copies), then clips and updates.
 
 The loss of a step is the token-weighted mean over the whole global batch (all micro-batches, all DP ranks):
 each micro-batch contributes ``sum(per-token loss) / tokens_in_global_batch`` to the gradient, so the summed
-gradient over DP ranks equals the single-process gradient of the mean. It is computed on the last stage and
+gradient over DP ranks equals the single-process gradient of the mean. Under context parallelism the engine
+hands each CP rank its chunks of every micro-batch's inputs and targets (``shard_sequence``; the sampler's
+samples are the DP rank's, the same on all its CP ranks), and token counts, loss sums and gradients are summed
+over DP x CP: the same mean, the same gradient. It is computed on the last stage and
 broadcast along the pipeline, so every rank reports the same number. A step reads from the device once: the
 loss, the squared gradient norm and the token count together.
 """
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from megazero.config.schema import Config
+from megazero.context_parallel import shard_sequence
 from megazero.distributed import device_io
 from megazero.distributed.context import ParallelContext
 from megazero.model.gpt import full_state_dict
@@ -74,17 +78,18 @@ class Engine:
     def _global_tokens(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         """Tokens in the loss over the whole global batch, as a 0-dim fp64 tensor on the DP group's device.
 
-        Counted where the targets live (no host read), summed over DP ranks on the device."""
+        Counted where the targets live (no host read), summed over DP x CP ranks on the device."""
         local = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches)
-        n = torch.as_tensor(local, dtype=torch.float64).reshape(1).to(self.ctx.dp_group.device, non_blocking=True)
-        self.ctx.dp_group.all_reduce(n, tag="loss")
+        group = self.ctx.dp_cp_group
+        n = torch.as_tensor(local, dtype=torch.float64).reshape(1).to(group.device, non_blocking=True)
+        group.all_reduce(n, tag="loss")
         return n[0]
 
     def _global_loss(self, loss_sum: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """The token-weighted mean loss as a 0-dim device tensor: the last stage's loss sums added over DP
+        """The token-weighted mean loss as a 0-dim device tensor: the last stage's loss sums added over DP x CP
         ranks, then broadcast along the pipeline from the last stage (no host read)."""
         total = loss_sum.reshape(1).clone()
-        self.ctx.dp_group.all_reduce(total, tag="loss")
+        self.ctx.dp_cp_group.all_reduce(total, tag="loss")
         self.ctx.pp_group.broadcast(total, src=self.ctx.pp_size - 1, tag="loss")
         return total[0] / tokens
 
@@ -112,8 +117,16 @@ class Engine:
                 " a checkpoint or custom code changed one copy only")
         return value
 
+    def _cp_local(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
+        """This CP rank's chunks (i and 2cp-1-i) of every micro-batch's inputs and targets [B, S] -> [B, S/cp]."""
+        if not self.ctx.cp_enabled:
+            return micro_batches
+        r, n = self.ctx.cp_rank, self.ctx.cp_size
+        return [(shard_sequence(x, r, n), shard_sequence(y, r, n)) for x, y in micro_batches]
+
     def train_step(self, micro_batches: list[MicroBatch]) -> StepResult:
-        """One optimizer step over this DP rank's micro-batches of the global batch."""
+        """One optimizer step over this DP rank's micro-batches of the global batch (whole sequences)."""
+        micro_batches = self._cp_local(micro_batches)
         for chunk in self.chunks:
             chunk.train()
         opt = self.optimizer
@@ -140,6 +153,7 @@ class Engine:
     @torch.no_grad()
     def eval_loss(self, micro_batches: list[MicroBatch]) -> float:
         """Token-weighted mean loss over the global batch, run through the pipeline without a graph."""
+        micro_batches = self._cp_local(micro_batches)
         for chunk in self.chunks:
             chunk.eval()
         tokens = self._global_tokens(micro_batches)

@@ -68,10 +68,12 @@ def _init_wandb(cfg: Config, ctx: ParallelContext) -> Any | None:
 
     mode = wandb_mode(cfg.logging.wandb_mode)
     os.makedirs(cfg.logging.log_dir, exist_ok=True)
-    ranks = [dict(zip(("pp_rank", "dp_rank", "tp_rank"), ctx.grid.coords(r))) for r in range(ctx.world_size)]
-    topology = {"tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size, "world_size": ctx.world_size,
+    ranks = [ctx.grid.position(r)._asdict() for r in range(ctx.world_size)]
+    topology = {"tp": ctx.tp_size, "cp": ctx.cp_size, "pp": ctx.pp_size, "dp": ctx.dp_size,
+                "world_size": ctx.world_size,
                 "ranks": ranks}  # rank r of the memory/rank{r}/ series sits at ranks[r]
-    name = (f"{cfg.model_preset}-tp{ctx.tp_size}-pp{ctx.pp_size}-dp{ctx.dp_size}-zero{cfg.zero.stage}-"
+    name = (f"{cfg.model_preset}-tp{ctx.tp_size}{f'-cp{ctx.cp_size}' if ctx.cp_enabled else ''}-pp{ctx.pp_size}-"
+            f"dp{ctx.dp_size}-zero{cfg.zero.stage}-"
             f"{cfg.training.precision}")
     run = wandb.init(
         project=cfg.logging.wandb_project, mode=mode, dir=cfg.logging.log_dir, name=name,
@@ -150,8 +152,9 @@ def run_training(cfg: Config, ctx: ParallelContext, device: torch.device | None 
     log.info("model %s: %d layers, hidden %d, %d heads, seq %d, vocab %d (padded %d); %.2fM parameters on rank 0",
              cfg.model_preset, m.num_layers, m.hidden_size, m.num_heads, m.seq_len, m.vocab_size,
              engine.padded_vocab_size, n_params / 1e6)
-    log.info("topology tp=%d pp=%d dp=%d, ZeRO stage %d, %s; global batch %d = micro %d x accumulation %d x dp %d;"
-             " %d training samples of %d tokens", ctx.tp_size, ctx.pp_size, ctx.dp_size, cfg.zero.stage,
+    log.info("topology tp=%d cp=%d pp=%d dp=%d, ZeRO stage %d, %s; global batch %d = micro %d x accumulation %d x "
+             "dp %d; %d training samples of %d tokens", ctx.tp_size, ctx.cp_size, ctx.pp_size, ctx.dp_size,
+             cfg.zero.stage,
              t.precision, t.global_batch_size, t.micro_batch_size, t.gradient_accumulation_steps, ctx.dp_size,
              len(train_ds), m.seq_len)
     if t.load is not None:  # auto: the newest checkpoint under --save, if any (a torchrun restart)

@@ -10,14 +10,15 @@
 3. :func:`materialiser` – each parameter's initial value from (seed, unsharded name) at its full shape, then
    this rank's slice, so every topology starts from the same model; with ``--init-from`` this rank's slice of
    the Hugging Face tensors instead, read straight from their files (:mod:`megazero.checkpoint.hf_import`);
-4. :func:`wrap_for_zero` – the ZeRO optimizer over the DP group; it calls the materialiser one parameter
-   (stages 0-2) or one gather unit (stage 3, sharded) at a time, so no rank ever holds a second full copy of
-   its replica (and at stage 3 not even one);
+4. :func:`wrap_for_zero` – the ZeRO optimizer over the DP x CP group (the DP group without context
+   parallelism: CP ranks hold the same weights and see different tokens of the same samples); it calls the
+   materialiser one parameter (stages 0-2) or one gather unit (stage 3, sharded) at a time, so no rank ever
+   holds a second full copy of its replica (and at stage 3 not even one);
 5. :func:`pipeline_p2p` – the batched transfers between stages;
 6. :func:`apply_compile` – ``torch.compile`` of each transformer block.
 
 Only this module and the engine see the whole :class:`ParallelContext`; each step hands a layer or the optimizer
-the one group it needs.
+the one group it needs (the layers their TP and CP groups, the optimizer its DP x CP group).
 """
 
 from __future__ import annotations
@@ -67,11 +68,13 @@ def split_for_pp(cfg: Config, ctx: ParallelContext) -> tuple[str, int, list[Stag
 
 
 def build_on_meta(cfg: Config, ctx: ParallelContext, specs: list[StageSpec], rng_tracker: RNGTracker) -> list[GPT]:
-    """This rank's chunks on the meta device, their parallel layers sharded over ``ctx.tp_group``."""
+    """This rank's chunks on the meta device, their parallel layers sharded over ``ctx.tp_group``; attention
+    context-parallel over ``ctx.cp_group`` when cp > 1."""
     with torch.device("meta"):
         return [GPT(cfg.model, ctx.tp_group, layers=s.layers, pre_process=s.pre_process,
                     post_process=s.post_process, sequence_parallel=cfg.parallel.sequence_parallel,
-                    rng_tracker=rng_tracker, activation_checkpointing=cfg.activation_checkpointing)
+                    rng_tracker=rng_tracker, activation_checkpointing=cfg.activation_checkpointing,
+                    cp_group=ctx.cp_group, cp_attention=cfg.parallel.cp_attention)
                 for s in specs]
 
 
@@ -84,7 +87,11 @@ def materialiser(chunks: list[GPT], cfg: Config, ctx: ParallelContext, device: t
 
 def wrap_for_zero(chunks: list[GPT], cfg: Config, ctx: ParallelContext, param_init, device: torch.device
                   ) -> tuple[ZeroOptimizer, nn.Module, list[nn.Parameter]]:
-    """The ZeRO optimizer over the DP group, materialising ``chunks`` as it partitions them.
+    """The ZeRO optimizer over the DP x CP group, materialising ``chunks`` as it partitions them.
+
+    Under context parallelism each CP rank's gradient covers its own tokens, so gradients are summed over DP x CP
+    and ZeRO partitions over that group (Nd = dp x cp, as Megatron-Core's distributed optimizer); at cp 1
+    ``ctx.dp_cp_group`` is the DP group itself.
 
     With pipelining the first and last stage each hold a copy of the tied word embedding: their gradients are
     summed over the embedding group and the last stage's copy is left out of the gradient norm (counted once).
@@ -97,18 +104,20 @@ def wrap_for_zero(chunks: list[GPT], cfg: Config, ctx: ParallelContext, param_in
         if chunk.post_process and not chunk.pre_process and tied:
             norm_counted[chunk.wte.weight] = False
     optimizer = ZeroOptimizer(
-        model, cfg.zero, cfg.optimizer, dp_group=ctx.dp_group, norm_group=ctx.mp_group, norm_counted=norm_counted,
+        model, cfg.zero, cfg.optimizer, dp_group=ctx.dp_cp_group, norm_group=ctx.mp_group, norm_counted=norm_counted,
         precision=cfg.training.precision, loss_scale_cfg=cfg.loss_scale, tied_params=tied,
         tied_group=ctx.embedding_group if tied else None, param_init=param_init, device=device)
     return optimizer, model, tied
 
 
 def pipeline_p2p(cfg: Config, ctx: ParallelContext, virtual_stages: int, device: torch.device) -> PipelineP2P | None:
-    """The batched point-to-point transfers between stages (activations are [micro, seq / tp with SP, hidden])."""
+    """The batched point-to-point transfers between stages (activations are [micro, seq / cp (/ tp with SP),
+    hidden]: each CP rank's pipeline carries its own tokens)."""
     if not ctx.pp_enabled:
         return None
     m, t = cfg.model, cfg.training
-    seq = m.seq_len // ctx.tp_size if cfg.parallel.sequence_parallel else m.seq_len
+    seq = m.seq_len // ctx.cp_size
+    seq = seq // ctx.tp_size if cfg.parallel.sequence_parallel else seq
     return PipelineP2P(ctx.pp_group, (t.micro_batch_size, seq, m.hidden_size), PRECISION_DTYPES[t.precision],
                        device, virtual_stages)
 
