@@ -19,11 +19,12 @@ from torch import nn
 
 from megazero.distributed.group import Group
 from megazero.tensor_parallel.mappings import (
-    copy_to_tp_region,
+    all_reduce_async,
     gather_from_tp_region,
     gather_sequence,
+    gather_sequence_async,
     reduce_from_tp_region,
-    reduce_scatter_sequence,
+    reduce_scatter_sequence_async,
     reduce_scatter_to_sequence_parallel_region,
 )
 
@@ -32,6 +33,7 @@ __all__ = [
     "RowParallelLinear",
     "ShardSpec",
     "VocabParallelEmbedding",
+    "column_parallel_linear",
     "pad_size",
     "replicated_parameter",
     "sequence_parallel_linear",
@@ -104,42 +106,62 @@ def unshard_tensor(shards: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
     return full.narrow(dim, 0, spec.full_shape[dim])
 
 
-class _GatherLinear(torch.autograd.Function):
-    """``F.linear(all_gather_seq(x), W, b)`` that saves only the local sequence shard ``x`` for backward.
+class _ColumnLinear(torch.autograd.Function):
+    """``F.linear`` at the input of a column-parallel layer, its TP collective overlapped in backward.
 
-    Backward gathers ``x`` again to form the weight gradient and reduce-scatters the input gradient, so the
-    full-sequence input never stays alive between forward and backward (as in Megatron-LM).
+    Forward: ``y = x W^T + b`` on ``x`` itself (its gradient is all-reduced over TP in backward), or under
+    sequence parallelism on the all-gather of the sequence shard ``x`` [B, S/tp, in] -> [B, S, in] (its gradient
+    reduce-scattered back to the shard). Only ``x`` is saved, so under SP the full-sequence input never stays
+    alive between forward and backward.
+
+    Backward follows Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``: (SP) start the all-gather
+    of ``x`` again; compute the input gradient ``g W``; start its all-reduce (reduce-scatter under SP) without
+    waiting; compute the weight gradient ``g^T x`` while it runs; wait last. On a GPU the collective's stream
+    runs beside the weight-gradient GEMM; on gloo the order is the same (tests/test_tp_overlap.py checks it).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group):
-        ctx.group = group
-        ctx.has_bias = bias is not None
+    def forward(ctx, x, weight, bias, group, sequence_parallel):
+        ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
         ctx.save_for_backward(x, weight)
-        return F.linear(gather_sequence(x, group), weight, bias)
+        return F.linear(gather_sequence(x, group) if sequence_parallel else x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        full_x = gather_sequence(x, ctx.group)
-        grad_x = reduce_scatter_sequence(grad_out.matmul(weight), ctx.group)
-        grad_w = grad_out.flatten(0, -2).t().matmul(full_x.flatten(0, -2))
-        grad_b = grad_out.flatten(0, -2).sum(0) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None
+        gather = gather_sequence_async(x, ctx.group) if ctx.sequence_parallel else None
+        grad_in = grad_out.matmul(weight)  # [B, S, in], a partial sum over this rank's output features
+        if gather is not None:
+            x = gather.wait()
+            pending = reduce_scatter_sequence_async(grad_in, ctx.group)
+        else:
+            pending = all_reduce_async(grad_in, ctx.group)
+        g = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_w = g.t().matmul(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+        grad_b = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return pending.wait(), grad_w, grad_b, None, None
+
+
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group | None,
+                           sequence_parallel: bool = False) -> torch.Tensor:
+    """The linear of a column-parallel layer: [B, S, in] (a sequence shard [B, S/tp, in] under
+    ``sequence_parallel``) -> [B, S, out/tp], with the TP collective of :class:`_ColumnLinear`."""
+    if group is None or group.size == 1:
+        return F.linear(x, weight, bias)
+    return _column_linear(x, weight, bias, group, sequence_parallel)
 
 
 def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                              group: Group | None) -> torch.Tensor:
     """A column-parallel linear on a sequence shard [B, S/tp, in] -> [B, S, out/tp] (all-gather inside)."""
-    if group is None or group.size == 1:
-        return F.linear(x, weight, bias)
-    return _gather_linear(x, weight, bias, group)
+    return column_parallel_linear(x, weight, bias, group, sequence_parallel=True)
 
 
 @torch.compiler.disable
-def _gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group) -> torch.Tensor:
+def _column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group,
+                   sequence_parallel: bool) -> torch.Tensor:
     """Eager under torch.compile: the collectives inside are not traced (see ``mappings._apply``)."""
-    return _GatherLinear.apply(x, weight, bias, group)
+    return _ColumnLinear.apply(x, weight, bias, group, sequence_parallel)
 
 
 def _param(shape: tuple[int, ...], spec: ShardSpec) -> nn.Parameter:
@@ -187,10 +209,8 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _param((local_out,), ShardSpec((out_features,), "zeros", **split)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:  # [B, S/tp, in] -> all-gather -> [B, S, out/tp]
-            y = sequence_parallel_linear(x, self.weight, self.bias, self.tp_group)
-        else:
-            y = F.linear(copy_to_tp_region(x, self.tp_group), self.weight, self.bias)  # [B, S, out/tp]
+        # [B, S, in] (SP: [B, S/tp, in] -> all-gather) -> [B, S, out/tp]
+        y = column_parallel_linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel)
         return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
 
@@ -260,10 +280,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary slice of ``x @ E^T``, padded entries at ``-inf``."""
-        if self.sequence_parallel:  # [B, S/tp, H] -> all-gather -> [B, S, V/tp]
-            logits = sequence_parallel_linear(x, self.weight, None, self.tp_group)
-        else:
-            logits = F.linear(copy_to_tp_region(x, self.tp_group), self.weight)
+        # [B, S, H] (SP: [B, S/tp, H] -> all-gather) -> [B, S, V/tp]
+        logits = column_parallel_linear(x, self.weight, None, self.tp_group, self.sequence_parallel)
         n_real = self.vocab_size - self.vocab_start
         if n_real < self.local_vocab:
             mask = torch.arange(self.local_vocab, device=logits.device) >= n_real

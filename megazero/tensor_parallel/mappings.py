@@ -20,7 +20,14 @@ reduce_scatter_to_sequence_ reduce-scatter along       all-gather along sequence
 ==========================  =========================  ===========================
 
 Sequence-parallel regions (Korthikanti et al., 2205.05198) hold activations shaped [B, S/tp, H]: the sequence
-dimension is dim 1 throughout megazero.
+dimension is dim 1 throughout megazero. A collective works on a flat buffer with one rank's chunk after another
+("rank-major", [tp, B, S/tp, ...]), so a sequence all-gather or reduce-scatter costs exactly one reordering copy
+of its full-sequence side when B > 1 and none when B == 1 (where rank-major and [B, S, ...] coincide); its
+sequence-shard side is used in place. Megatron-LM avoids even that copy by keeping activations [S, B, H]; we
+keep [B, S, H] for readable model code (the copy is one pass over memory beside a GEMM).
+
+The ``*_async`` helpers start a collective and return a :class:`Pending`, waited on later: the column-parallel
+backward (``layers._ColumnLinear``) computes its weight gradient while its input gradient is being reduced.
 """
 
 from __future__ import annotations
@@ -31,12 +38,16 @@ from megazero.distributed.group import Group
 
 __all__ = [
     "SEQ_DIM",
+    "Pending",
+    "all_reduce_async",
     "copy_to_tp_region",
     "gather_from_sequence_parallel_region",
     "gather_sequence",
+    "gather_sequence_async",
     "gather_from_tp_region",
     "reduce_from_tp_region",
     "reduce_scatter_sequence",
+    "reduce_scatter_sequence_async",
     "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_sequence_parallel_region",
     "scatter_to_tp_region",
@@ -45,10 +56,26 @@ __all__ = [
 SEQ_DIM = 1  # activations are [batch, sequence, hidden]
 
 
+class Pending:
+    """A collective in flight: :meth:`wait` waits for it and returns its result (what the blocking call would)."""
+
+    def __init__(self, work, finish) -> None:
+        self._work, self._finish = work, finish
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+        return self._finish()
+
+
 def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return all_reduce_async(x, group).wait()
+
+
+def all_reduce_async(x: torch.Tensor, group: Group) -> Pending:
+    """Start an all-reduce of ``x`` (in place when contiguous) over the group (no autograd); ``wait()`` it."""
     x = x.contiguous()
-    group.all_reduce(x, tag="act")
-    return x
+    return Pending(group.all_reduce(x, tag="act", async_op=True), lambda: x)
 
 
 def _split_last(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -73,21 +100,50 @@ def _split_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x.chunk(group.size, dim=SEQ_DIM)[group.rank].contiguous()
 
 
+def _rank_major(x: torch.Tensor, tp: int) -> torch.Tensor:
+    """[B, S, ...] as the flat buffer a sequence collective works on: rank r's chunk [B, S/tp, ...] after rank
+    r - 1's. One copy when B > 1 (the sequence is dim 1); a view of a contiguous tensor when B == 1."""
+    b, s = x.shape[0], x.shape[SEQ_DIM]
+    if b == 1:
+        return x.contiguous().view(-1)
+    return x.reshape(b, tp, s // tp, *x.shape[2:]).transpose(0, 1).contiguous().view(-1)
+
+
+def _batch_major(flat: torch.Tensor, shard_shape: torch.Size, tp: int) -> torch.Tensor:
+    """The inverse of :func:`_rank_major`: the flat rank-major buffer of ``tp`` shards as [B, S, ...] (one
+    copy when B > 1, a view when B == 1)."""
+    b, s, rest = shard_shape[0], shard_shape[SEQ_DIM], tuple(shard_shape[2:])
+    if b == 1:
+        return flat.view(1, tp * s, *rest)
+    return flat.view(tp, b, s, *rest).transpose(0, 1).reshape(b, tp * s, *rest)
+
+
+def gather_sequence_async(x: torch.Tensor, group: Group) -> Pending:
+    """Start the all-gather of sequence shards [B, S/tp, ...] into [B, S, ...] (no autograd); ``wait()`` it."""
+    x = x.contiguous()
+    out = torch.empty(group.size * x.numel(), dtype=x.dtype, device=x.device)
+    work = group.all_gather_into(out, x.view(-1), tag="act", async_op=True)
+    return Pending(work, lambda: _batch_major(out, x.shape, group.size))
+
+
 def gather_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     """All-gather sequence shards [B, S/tp, ...] into [B, S, ...] (no autograd)."""
-    x = x.movedim(SEQ_DIM, 0).contiguous()
-    out = torch.empty((group.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    group.all_gather_into(out, x, tag="act")
-    return out.movedim(0, SEQ_DIM)
+    return gather_sequence_async(x, group).wait()
+
+
+def reduce_scatter_sequence_async(x: torch.Tensor, group: Group) -> Pending:
+    """Start summing [B, S, ...] over the group into this rank's sequence shard [B, S/tp, ...] (no autograd);
+    ``wait()`` it. The shard is written straight into a contiguous [B, S/tp, ...] tensor."""
+    _check_seq_divisible(x, group)
+    shape = (x.shape[0], x.shape[SEQ_DIM] // group.size, *x.shape[2:])
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    work = group.reduce_scatter(out.view(-1), _rank_major(x, group.size), tag="act", async_op=True)
+    return Pending(work, lambda: out)
 
 
 def reduce_scatter_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Sum [B, S, ...] over the group and keep this rank's sequence shard [B, S/tp, ...] (no autograd)."""
-    _check_seq_divisible(x, group)
-    x = x.movedim(SEQ_DIM, 0).contiguous()
-    out = torch.empty((x.shape[0] // group.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    group.reduce_scatter(out, x, tag="act")
-    return out.movedim(0, SEQ_DIM)
+    return reduce_scatter_sequence_async(x, group).wait()
 
 
 class _ScatterToSP(torch.autograd.Function):
