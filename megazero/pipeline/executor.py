@@ -4,15 +4,25 @@ The same executor drives every topology: with one pipeline stage the 1F1B timeli
 forward/backward per micro-batch. Activations a stage must keep for backward stay in a stash keyed by
 (micro-batch, chunk) from its forward until its backward; the executor counts how many micro-batches (and how
 many bytes of saved activations) are stashed at once, which is what the schedules' memory claims are about.
+
+A stage's output is freed once it is sent (Megatron-LM's ``deallocate_output_tensor``): the stash keeps only
+its autograd edge (:func:`torch.autograd.graph.get_gradient_edge`), and backward starts there from the gradient
+the next stage returns, so an output [micro, seq (/tp under SP), hidden] is not held for each micro-batch in
+flight (the estimator, :func:`megazero.plan.estimate.peak_bytes`, holds none at the start of backward).
+
+Counting saved activations costs a Python call per saved tensor; ``measure=False`` (the trainer's unlogged
+steps) skips it, leaving ``peak_activation_bytes`` None.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from megazero.distributed import device_io
 from megazero.observe.memory import ActivationMemoryCounter
@@ -23,15 +33,16 @@ from megazero.pipeline.schedules import Action
 __all__ = ["PipelineExecutor", "RunStats"]
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]
-# backward(output, grad): grad None means ``output`` is this micro-batch's (scalar) share of the loss
-BackwardFn = Callable[[torch.Tensor, torch.Tensor | None], None]
+# backward(output, grad): grad None means ``output`` is this micro-batch's (scalar) share of the loss; else
+# ``output`` is the gradient edge of a stage output already sent and freed (torch.autograd.backward takes either)
+BackwardFn = Callable[[torch.Tensor | GradientEdge, torch.Tensor | None], None]
 
 
 @dataclass
 class RunStats:
     loss_sum: torch.Tensor  # sum of per-token losses this rank computed (last stage; 0 elsewhere), fp64, on device
     peak_in_flight: float  # most micro-batches stashed at once (chunks count 1/V each)
-    peak_activation_bytes: int  # most saved-activation bytes stashed at once
+    peak_activation_bytes: int | None  # most saved-activation bytes stashed at once (None: not measured)
 
 
 class PipelineExecutor:
@@ -48,19 +59,19 @@ class PipelineExecutor:
         self.counters = [ActivationMemoryCounter(c) for c in chunks]
 
     def run(self, actions: list[Action], micro_batches: list[MicroBatch], loss_divisor: torch.Tensor | float,
-            backward: BackwardFn | None, units: list[list[int]] | None = None) -> RunStats:
+            backward: BackwardFn | None, units: list[list[int]] | None = None, measure: bool = True) -> RunStats:
         """Run ``actions``, communicating between the ``units`` of actions as
         :func:`~megazero.pipeline.p2p.transfer_plan` says (default: between every two actions).
 
         ``backward`` None runs the forwards only (evaluation, no graph kept), in the schedule's order, each
-        forward its own unit."""
+        forward its own unit. ``measure`` counts the saved activations (module docstring)."""
         v = len(self.chunks)
         if backward is None:
             actions, units = forward_actions(actions), None
         plan = transfer_plan(actions, self.pp_rank, self.pp_size, v, units=units)
         if isinstance(loss_divisor, torch.Tensor):  # the per-token loss is fp32: divide in fp32, on the device
             loss_divisor = loss_divisor.to(self.device, torch.float32)
-        stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor, int]] = {}
+        stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor | GradientEdge, int]] = {}
         outbox: dict[tuple[str, int, int], torch.Tensor] = {}  # produced, sent at the next point
         inbox: dict[tuple[str, int, int], torch.Tensor] = {}
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -82,15 +93,18 @@ class PipelineExecutor:
                     arg = inp
                 target = device_io.to_device(y, self.device) if spec.post_process else None
                 counter = self.counters[a.chunk]
-                with torch.set_grad_enabled(backward is not None), counter.track():
+                with torch.set_grad_enabled(backward is not None), counter.track() if measure else nullcontext():
                     out = chunk(arg, target)
+                nbytes = counter.last if measure else 0
                 if spec.post_process:
                     loss_sum += out.detach().double().sum()
                     out = out.sum() / loss_divisor
                 else:
-                    outbox[send.key] = out.detach()
+                    outbox[send.key] = out.detach()  # the only reference to the data once sent
+                    if backward is not None:
+                        out = get_gradient_edge(out)  # keep the autograd node, drop the tensor
                 if backward is not None:
-                    stash[(a.micro_batch, a.chunk)] = (inp, out, counter.last)
+                    stash[(a.micro_batch, a.chunk)] = (inp, out, nbytes)
                     live += 1 / v
                     live_bytes += counter.last
                     peak, peak_bytes = max(peak, live), max(peak_bytes, live_bytes)
@@ -105,4 +119,4 @@ class PipelineExecutor:
             self.p2p.exchange(call, outbox)
         assert not stash, f"schedule left micro-batches without backward: {sorted(stash)}"
         assert not outbox and not inbox, f"transfers left over: {sorted(outbox)} {sorted(inbox)}"
-        return RunStats(loss_sum=loss_sum, peak_in_flight=peak, peak_activation_bytes=peak_bytes)
+        return RunStats(loss_sum=loss_sum, peak_in_flight=peak, peak_activation_bytes=peak_bytes if measure else None)
