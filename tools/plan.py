@@ -4,7 +4,8 @@
     python tools/plan.py --num-layers 96 --hidden-size 12288 --num-heads 96 --seq-len 2048 --gpus 1024 \\
         --global-batch-size 1536 --gpu a100 --efficiency 0.45 --top 5
 
-Enumerates tp (dividing the GPUs of a node), pp, dp, ZeRO stage 0-3, micro-batch size, recomputation
+Enumerates tp (dividing the GPUs of a node), cp (sequences of 8192 tokens or more: seq_len % (2·cp) == 0, tp·cp
+inside a node first), pp, dp, ZeRO stage 0-3, micro-batch size, recomputation
 (none/selective/full), optimizer offload, sequence parallelism and the interleaved schedule; estimates each
 layout's per-rank peak memory (:mod:`megazero.plan.estimate`) and drops those above the usable device memory;
 estimates the step time of the rest (:mod:`megazero.plan.roofline`: FLOPs at ``--efficiency`` x the dense peak,
@@ -80,18 +81,18 @@ def _gb(x: float) -> str:
 
 def report(plans: list[Plan], tried: int, seconds: float, args: argparse.Namespace, model_flags: list[str],
            c) -> str:
-    head = ["#", "tp", "pp", "dp", "sched", "zero", "mbs", "recompute", "offl", "sp", "peak GB", "states",
-            "acts", "other", "TP GB", "PP GB", "DP GB", "compute s", "bubble", "comm s", "step s", "MFU"]
+    head = ["#", "tp", "cp", "pp", "dp", "sched", "zero", "mbs", "recompute", "offl", "sp", "peak GB", "states",
+            "acts", "other", "TP GB", "CP GB", "PP GB", "DP GB", "compute s", "bubble", "comm s", "step s", "MFU"]
     rows = []
     for i, pl in enumerate(plans[:args.top]):
         lay, t = pl.layout, pl.time
         sched = f"int v{lay.virtual_stages}" if lay.virtual_stages > 1 else ("1f1b" if lay.pp > 1 else "-")
-        rows.append([str(i + 1), str(lay.tp), str(lay.pp), str(lay.dp), sched, str(lay.zero_stage),
+        rows.append([str(i + 1), str(lay.tp), str(lay.cp), str(lay.pp), str(lay.dp), sched, str(lay.zero_stage),
                      str(lay.micro_batch_size), lay.checkpointing, "opt" if lay.offload else "-",
                      "y" if lay.sequence_parallel else "-", _gb(pl.peak_bytes), _gb(pl.states_bytes),
-                     _gb(pl.activation_bytes), _gb(pl.other_bytes), _gb(pl.tp_bytes), _gb(pl.pp_bytes),
+                     _gb(pl.activation_bytes), _gb(pl.other_bytes), _gb(pl.tp_bytes), _gb(pl.cp_bytes), _gb(pl.pp_bytes),
                      _gb(pl.dp_bytes), f"{t.compute:.3f}", f"{t.bubble:.3f}",
-                     f"{t.tp_comm + t.pp_comm + t.dp_comm:.3f}", f"{t.total:.3f}", f"{pl.mfu:.0%}"])
+                     f"{t.comm:.3f}", f"{t.total:.3f}", f"{pl.mfu:.0%}"])
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     lines = [f"megazero plan: {args.gpus} x {c.gpu.name}, {c.gpus_per_node} per node; {args.precision}; global "
              f"batch {args.global_batch_size}; {tried} layouts tried, {len(plans)} fit in "
@@ -102,7 +103,7 @@ def report(plans: list[Plan], tried: int, seconds: float, args: argparse.Namespa
     if not plans:
         lines.append("no layout fits: add GPUs, lower --global-batch-size, or try --gpu with more memory")
         return "\n".join(lines)
-    lines += ["", "peak: the largest rank's estimate (states + activations + other); TP/PP/DP GB: bytes one rank "
+    lines += ["", "peak: the largest rank's estimate (states + activations + other); TP/CP/PP/DP GB: bytes one rank "
               "moves per step; step s = compute + bubble + comm + optimizer step.",
               "", "fastest layout (check it first with: python pretrain/gpt.py --dry-run <the same flags>):",
               "  " + torchrun_command(plans[0], model_flags, args.global_batch_size, args.precision,
@@ -152,7 +153,7 @@ def confirm(plans: list[Plan], model_flags: list[str], args: argparse.Namespace,
         lay = pl.layout
         flags = " ".join(model_flags).split() + lay.flags() + ["--global-batch-size", str(args.global_batch_size),
                                                                 "--precision", args.precision]
-        cfg = parse_args(flags).resolve(lay.tp * lay.pp * lay.dp, device_type="cuda")  # the GPU run's defaults
+        cfg = parse_args(flags).resolve(lay.world, device_type="cuda")  # the GPU run's defaults
         if cache is None:
             rep, hit = dry_run(cfg, c, device_type="cuda"), False
         else:

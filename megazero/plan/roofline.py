@@ -1,7 +1,7 @@
 """A roofline model of one training step: compute at a stated fraction of peak, each collective over its link.
 
 The estimate of a step on ``world`` GPUs laid out by :class:`~megazero.distributed.context.RankGrid` (TP fastest,
-then DP, then PP; ``gpus_per_node`` consecutive ranks share a node) is the sum of
+then CP, then DP, then PP; ``gpus_per_node`` consecutive ranks share a node) is the sum of
 
 * **compute**: the FLOPs the hardware executes (Megatron-LM's count, recomputation included:
   :func:`megazero.observe.flops.megatron_hardware_flops`) split evenly over the ranks, at ``efficiency`` x the GPU's
@@ -11,6 +11,13 @@ then DP, then PP; ``gpus_per_node`` consecutive ranks share a node) is the sum o
   and all-gather n, send n) x ``(g - 1) / g`` for a ring of g ranks, over the bandwidth of the slowest link the
   group crosses: NVLink (per GPU, one direction) inside a node, the GPU's share of the node's network across
   nodes. Nothing is assumed to overlap with compute except the fraction ``dp_overlap`` of DP traffic;
+* **context parallelism** (:mod:`megazero.context_parallel`): the ring's K/V (and dK/dV) sends cross one link
+  each, in bytes (the ring sends dK/dV in fp32), at NVLink speed when the CP group sits inside a node (TP is
+  fastest in the grid, then CP) and at the network's when it spans nodes; the all-gather mode's collectives as
+  the others. The ring posts each hop before computing the block in hand, so its sends hide behind the
+  attention blocks' compute (the causal half of the ``QKᵀ`` and attention-over-V matmuls, forward and
+  backward); only what exceeds that compute is counted, and never less than each layer's last dK/dV hop, which
+  waits with nothing left to compute;
 * **optimizer step**: reading and writing the owned fp32 state at HBM bandwidth, or with optimizer offload
   the PCIe transfer of gradients and parameters plus a host Adam at ``host_adam_params_per_s``.
 
@@ -49,6 +56,7 @@ __all__ = [
     "describe",
     "group_nodes",
     "mfu",
+    "ring_kv_bytes",
     "step_time",
 ]
 
@@ -165,23 +173,37 @@ class StepTime:
     optimizer: float
     flops_per_rank: float
     parts: dict[str, float] = field(default_factory=dict)
+    cp_comm: float = 0.0  # the context-parallel ring's (or all-gather's) K/V traffic
 
     @property
     def total(self) -> float:
-        return self.compute + self.bubble + self.tp_comm + self.pp_comm + self.dp_comm + self.optimizer
+        return (self.compute + self.bubble + self.tp_comm + self.cp_comm + self.pp_comm + self.dp_comm
+                + self.optimizer)
+
+    @property
+    def comm(self) -> float:
+        """Every group's communication: TP, CP, PP and DP."""
+        return self.tp_comm + self.cp_comm + self.pp_comm + self.dp_comm
 
     def as_dict(self) -> dict[str, float]:
         return {"compute_s": self.compute, "bubble_s": self.bubble, "tp_comm_s": self.tp_comm,
-                "pp_comm_s": self.pp_comm, "dp_comm_s": self.dp_comm, "optimizer_s": self.optimizer,
-                "total_s": self.total, "flops_per_rank": self.flops_per_rank}
+                "cp_comm_s": self.cp_comm, "pp_comm_s": self.pp_comm, "dp_comm_s": self.dp_comm,
+                "optimizer_s": self.optimizer, "total_s": self.total, "flops_per_rank": self.flops_per_rank}
 
 
 def step_time(*, c: Cluster, precision: str, global_batch: int, seq_len: int, num_layers: int, hidden: int,
               vocab: int, checkpointing: str, tp: int, pp: int, dp: int, micro_batches: int,
               virtual_stages: int, tp_elements: float, pp_elements: float, dp_grad_elements: float,
               dp_param_elements: float, grad_bytes: int, owned_params: float, offload: bool,
-              tp_crosses: bool, pp_crosses: bool, dp_crosses: bool, shape: dict[str, Any] | None = None) -> StepTime:
+              tp_crosses: bool, pp_crosses: bool, dp_crosses: bool, shape: dict[str, Any] | None = None,
+              cp: int = 1, cp_send_bytes: float = 0.0, cp_tail_bytes: float = 0.0,
+              cp_collective_bytes: float = 0.0, cp_crosses: bool = False) -> StepTime:
     """Estimate one rank's step from the volumes it moves (elements, as the ledger counts them).
+
+    Under context parallelism ``dp`` is ZeRO's group, dp x cp (the work is spread over ``tp·pp·dp`` ranks as
+    given); ``cp`` is the CP group's size, ``cp_send_bytes`` the ring's point-to-point bytes per step (K/V in the
+    compute dtype, dK/dV in fp32: :func:`ring_kv_bytes`), ``cp_tail_bytes`` the part of them that cannot hide
+    (each layer's last dK/dV hop) and ``cp_collective_bytes`` the all-gather mode's logical bytes.
 
     ``shape``: :func:`megazero.observe.flops.flops_shape` of a model other than GPT-2 (GQA, SwiGLU).
 
@@ -203,11 +225,27 @@ def step_time(*, c: Cluster, precision: str, global_batch: int, seq_len: int, nu
                                                    else c.gpu.intra_node_bytes_per_s)
     dp_s = (collective_seconds(dp_grad_elements, grad_bytes, dp, dp_crosses, c)
             + collective_seconds(dp_param_elements, e, dp, dp_crosses, c)) * (1.0 - c.dp_overlap)
+    cp_bw = c.gpu.inter_node_bytes_per_s if cp_crosses else c.gpu.intra_node_bytes_per_s
+    cp_s = 0.0
+    if cp > 1:  # the ring's sends hide behind this rank's causal attention matmuls (2 s²h per layer forward, x3)
+        attention = 6.0 * global_batch * seq_len * seq_len * hidden * num_layers / world / (peak * c.efficiency)
+        cp_s = max(cp_tail_bytes / cp_bw, cp_send_bytes / cp_bw - attention)
+        cp_s += collective_seconds(cp_collective_bytes, 1, cp, cp_crosses, c)
     if offload:  # gradients down, parameters up over PCIe, Adam on the host
         opt = owned_params * (grad_bytes + e) / c.gpu.pcie_bytes_per_s + owned_params / c.host_adam_params_per_s
     else:  # read/write master, two moments, gradient, 16-bit copy at HBM bandwidth
         opt = owned_params * (3 * 8 + grad_bytes + e) / c.gpu.hbm_bytes_per_s
-    return StepTime(compute, bubble, tp_s, pp_s, dp_s, opt, flops)
+    return StepTime(compute, bubble, tp_s, pp_s, dp_s, opt, flops, cp_comm=cp_s)
+
+
+def ring_kv_bytes(kv_elements: float, cp: int, element_bytes: int, recomputed: bool = False) -> float:
+    """Bytes one rank sends around the CP ring per layer and micro-batch, ``kv_elements`` being this rank's K
+    and V together (``2N``, :mod:`megazero.context_parallel.ring`): ``(cp - 1)`` hops of K/V in the forward and
+    again in the backward (once more where recomputation replays the forward), and ``cp`` hops of dK/dV in fp32."""
+    if cp <= 1:
+        return 0.0
+    forwards = 3 if recomputed else 2
+    return forwards * (cp - 1) * kv_elements * element_bytes + cp * kv_elements * 4
 
 
 def mfu(model_flops: float, seconds: float, world: int, c: Cluster, precision: str) -> float:
