@@ -4,8 +4,9 @@ The forward is the model's own (:class:`~megazero.model.gpt.GPT`, or one rank's 
 :class:`~megazero.model.cache.KVCache`: per step it feeds only the new tokens, whose keys and values each
 attention appends to the cache and whose positions start at the cache's length. The tensor-parallel layers run
 their own forward and collectives. Decoding runs in eval mode (no dropout; each chunk's mode is restored
-after) and without sequence parallelism, so a model built for training serves as it is; ZeRO-3 callers wrap
-it in ``optimizer.gathered_parameters()``.
+after) and without sequence parallelism, so a model built for training serves as it is. At ZeRO-3 each
+decoding step's forward gathers and releases block by block through the stage-3 hooks, in the training
+forward's traced order (no order check), never the whole model.
 
 With pipeline stages each rank runs its chunks in global stage order, receives the hidden states of the new
 tokens from the previous stage and sends its own to the next; the last stage picks the token and broadcasts
@@ -182,12 +183,11 @@ def generate_samples(engine: Any, tokenizer: Any, prompts: list[str], max_new_to
     seq_len = engine.cfg.model.seq_len
     n_new = min(max_new_tokens, seq_len - 1)
     out = []
-    with engine.optimizer.gathered_parameters():
-        for prompt in prompts:
-            ids = tokenizer.encode(prompt)[-(seq_len - n_new):] or [tokenizer.eos_id]
-            new = generate_ids(engine.chunks, ids, SamplingConfig(n_new, temperature=0), engine.ctx.pp_group,
-                               eos_id=tokenizer.eos_id)
-            out.append({"prompt": prompt, "text": tokenizer.decode(new), "ids": new})
+    for prompt in prompts:  # ZeRO-3: the model's own hooks gather block by block (module docstring)
+        ids = tokenizer.encode(prompt)[-(seq_len - n_new):] or [tokenizer.eos_id]
+        new = generate_ids(engine.chunks, ids, SamplingConfig(n_new, temperature=0), engine.ctx.pp_group,
+                           eos_id=tokenizer.eos_id)
+        out.append({"prompt": prompt, "text": tokenizer.decode(new), "ids": new})
     return out
 
 

@@ -72,6 +72,22 @@ def test_offloaded_states_are_host_bytes_outside_the_device_peak():
     assert report.fits and "host MB" in format_report(report)
 
 
+def test_the_verdict_takes_the_larger_of_the_step_and_an_evaluation_pass():
+    """Each role also runs an evaluation pass (what a run does between steps) under the tracker; at ZeRO-3 it
+    gathers block by block, so it peaks below the step (gathering the whole replica, it peaked above it at
+    this size); the verdict names the larger of the two peaks and which it was."""
+    dp8 = ["--dp", "8", "--global-batch-size", "8", "--micro-batch-size", "1", "--seq-len", "32"]
+    cfg = parse_args([*dp8, "--zero-stage", "3", "--precision", "bf16", "--hidden-size", "256", "--num-layers", "8"])
+    report = dry_run(cfg.resolve(8), cluster("h100", 8))
+    for r in report.roles:
+        assert 0 < r.eval_peak_bytes < r.peak_bytes, (r.rank, r.eval_peak_bytes, r.peak_bytes)
+    phase, peak, _ = max((r.larger_peak() for r in report.roles), key=lambda x: x[1])
+    assert phase == "training step" and f"{peak / 1e9:.2f} GB (training step)" in report.verdict
+    role = report.roles[0]
+    role.eval_peak_bytes, role.eval_peak_by_category = role.peak_bytes + 1, {"params": role.peak_bytes + 1}
+    assert role.larger_peak() == ("evaluation", role.peak_bytes + 1, {"params": role.peak_bytes + 1})
+
+
 def test_a_cpu_tensor_in_a_collective_fails_the_dry_run(monkeypatch):
     from megazero.train.engine import Engine
 

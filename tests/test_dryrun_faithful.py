@@ -12,7 +12,9 @@ the dry run then runs every rank role of each setting on the meta device, and fo
 * model states at rest (``model_state_bytes()``: parameters, gradients, master, moments, offloaded, comm
   buffers) and the ledger's elements per (group, op, tag) of the same step: **equal**;
 * the peak by category: model-state categories (params, grads, master, optimizer states) and communication
-  buffers **equal**; activations + other and the total within ``PEAK_MARGIN``.
+  buffers **equal**; activations + other and the total within ``PEAK_MARGIN``;
+* the peak of an evaluation pass after the steps (``Engine.eval_loss``, which the verdict weighs too): within
+  ``PEAK_MARGIN``.
 
 The real peak is the larger of the first two steps: buffers allocated on first use (ZeRO-2's staging pool)
 make the second step's peak higher than the first's, and the dry run runs a second step when its first
@@ -138,8 +140,12 @@ def _real_steps(ctx, topo: tuple, runs: list[list[str]]):
                 peaks.append(tracker.result())
                 ledgers.append(ctx.ledger.breakdown_last_step())
             peak = max(peaks, key=lambda x: x["peak_bytes"])
-            out.append((engine.optimizer.model_state_bytes(), ledgers, peak["peak_bytes"],
-                        dict(peak["peak_by_category"])))
+            states = engine.optimizer.model_state_bytes()  # at rest after the steps (the dry run's order)
+            evaluation = PeakMemoryTracker("cpu", functools.partial(zero_buffers, engine.optimizer), engine.chunks)
+            with evaluation:
+                engine.eval_loss(batch)
+            out.append((states, ledgers, peak["peak_bytes"], dict(peak["peak_by_category"]),
+                        evaluation.result()["peak_bytes"]))
         del engine, tracker
         gc.collect()
     return out
@@ -154,7 +160,7 @@ def compare(topo: tuple, runs: list[list[str]], real: list) -> list[str]:
         cfg = _cfg(topo, flags)
         for rank, _padded in rank_roles(grid, cfg.model.vocab_size):
             dry = run_role(cfg, grid, rank)
-            states, ledgers, peak, by_cat = real[rank][k]
+            states, ledgers, peak, by_cat, eval_peak = real[rank][k]
             breakdown = ledgers[dry.steps - 1]  # the dry run's volumes are those of its last step
             where = f"tp{tp} pp{pp} dp{dp} {' '.join(flags)} rank {rank}"
             if dry.states != states:
@@ -173,6 +179,8 @@ def compare(topo: tuple, runs: list[list[str]], real: list) -> list[str]:
                 diffs.append(f"{where}: peak activations + other dry {transient[0]} real {transient[1]} (peak {peak})")
             if abs(dry.peak_bytes - peak) > PEAK_MARGIN * peak:
                 diffs.append(f"{where}: peak dry {dry.peak_bytes} real {peak}")
+            if abs(dry.eval_peak_bytes - eval_peak) > PEAK_MARGIN * peak:  # the step's slack: the same transients
+                diffs.append(f"{where}: evaluation peak dry {dry.eval_peak_bytes} real {eval_peak}")
     return diffs
 
 

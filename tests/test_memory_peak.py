@@ -44,6 +44,23 @@ def test_tracker_counts_storages_views_resizes_and_frees():
     assert cats["params"] == MB and cats["comm_buffers"] == MB // 2 and cats["other"] == 3.5 * MB
 
 
+def test_tracker_follows_memory_swapped_between_storages():
+    """ZeRO-3 lends a slot's memory to a unit's storage and takes it back by swapping data pointers, which the
+    dispatcher does not see: the tracker follows both storages, so the bytes count once, under the borrower."""
+    slot = torch.empty(MB // 4)  # 1 MiB from before the step: an idle slot (communication buffer)
+    unit = torch.empty(MB // 4)
+    unit.untyped_storage().resize_(0)  # a released unit: no memory
+    tracker = PeakMemoryTracker("cpu", lambda: {"comm_buffers": [slot], "params": [unit]})
+    with tracker:
+        unit.untyped_storage()._swap_data_ptr_(slot.untyped_storage())  # gathered into the slot
+        x = unit + 1  # 1 MiB: the peak, 2 MiB
+        del x
+        unit.untyped_storage()._swap_data_ptr_(slot.untyped_storage())  # released: back to the slot
+    r = tracker.result()
+    assert r["peak_bytes"] == 2 * MB
+    assert r["peak_by_category"]["params"] == MB and r["peak_by_category"]["comm_buffers"] == 0, r
+
+
 def _train_step_peak(tracked: str):
     """One warm AdamW step of a small MLP, then a tracked one: (peak total, {category: bytes})."""
     torch.manual_seed(0)

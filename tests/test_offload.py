@@ -9,6 +9,9 @@ compared with the estimator.
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import torch
 
@@ -34,6 +37,44 @@ def test_bf16_offload_trains_exactly_like_no_offload(data_cache, tmp_path):
     (with_offload, _), (without, _) = run_world(train_runs, 2, [[*base, "--offload-optimizer"], base],
                                                 data_cache, str(tmp_path))[0]
     assert with_offload == without  # the same arithmetic, only where it runs differs
+
+
+def _offload_param_alone(ctx, cache: str, log_dir: str):
+    """ZeRO-3 with ``--offload-param`` and no ``--offload-optimizer``, host memory emulated apart from the device
+    (the accelerator's stand-in): fp32 and bf16, and bf16 without offload; per Adam call, which of its tensors
+    (updated values, moments, gradients) live in host memory."""
+    from megazero.distributed import device_io
+    from megazero.zero import optimizer as zero_optimizer
+
+    real, calls = zero_optimizer.adam_update, []
+
+    def spy(p, g, lr, lo, hi, **kw):
+        calls.append(sorted({device_io.is_host(t) for t in (p, kw["exp_avg"], kw["exp_avg_sq"], *g.parts)}))
+        return real(p, g, lr, lo, hi, **kw)
+
+    zero_optimizer.adam_update = spy
+    units = os.path.join(log_dir, "units.json")  # every parameter sharded (none persistent): host shards
+    with open(units, "w") as f:
+        json.dump({"zero_optimization": {"stage3_param_persistence_threshold": 0}}, f)
+    z3 = [*DP2, "--zero-stage", "3", "--deepspeed-config", units]
+    runs = [[*z3, "--offload-param"], [*z3, "--offload-param", "--precision", "bf16"], [*z3, "--precision", "bf16"]]
+    try:
+        with device_io.use(device_io.EmulatedHost("cpu")):
+            return train_runs(ctx, runs, cache, log_dir), calls
+    finally:
+        zero_optimizer.adam_update = real
+
+
+def test_offload_param_alone_trains_with_the_optimizer_states_on_the_device(reference, data_cache, tmp_path):
+    """``--offload-param`` without ``--offload-optimizer`` (stage 3): the parameter shards live in (emulated) host
+    memory, while every Adam call reads and writes device tensors only (the fp32 master, kept apart from the
+    host shards even in fp32, the moments and the gradients); fp32 matches the independent reference and bf16
+    trains exactly like bf16 without offload."""
+    (runs, calls), _ = run_world(_offload_param_alone, 2, data_cache, str(tmp_path))
+    (fp32, state), (bf16, _), (bf16_plain, _) = runs
+    assert_matches_reference(fp32, state, reference)
+    assert bf16 == bf16_plain
+    assert calls and all(c == [False] for c in calls), calls  # one device, never host memory, in every call
 
 
 def _states(ctx, cache: str):

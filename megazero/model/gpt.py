@@ -443,10 +443,13 @@ def _name_seed(seed: int, name: str) -> int:
 
 
 @torch.no_grad()
-def full_state_dict(model: nn.Module, tp_group: Group | None = None) -> dict[str, torch.Tensor]:
-    """The unsharded, unpadded fp32 parameters (a collective over ``tp_group``; every TP rank gets them)."""
+def full_state_dict(model: nn.Module, tp_group: Group | None = None, only=None) -> dict[str, torch.Tensor]:
+    """The unsharded, unpadded fp32 parameters (a collective over ``tp_group``; every TP rank gets them); those
+    in the set ``only`` when given."""
     out = {}
     for name, p in model.named_parameters():
+        if only is not None and p not in only:
+            continue
         spec = p.shard_spec
         if spec.partition_dim is None or tp_group is None or tp_group.size == 1:
             shards = [p.detach().float()]

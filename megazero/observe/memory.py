@@ -3,8 +3,9 @@
 :class:`PeakMemoryTracker` is a ``TorchDispatchMode``: it sees every tensor an operator (factory functions
 included) allocates, every storage that is freed (a weak reference to the storage, called back when the
 storage dies) and every storage resize (``Tensor.resize_``/``set_`` through the dispatcher, and
-``UntypedStorage.resize_``, which ZeRO-3 uses to free and re-gather parameters and which the dispatcher does
-not see, so the tracker patches it while it is active). It keeps the bytes of the live storages (a storage
+``UntypedStorage.resize_`` and ``_swap_data_ptr_``, which ZeRO-3 uses to free and re-gather parameters (its
+buffer slots move between storages by a swap) and which the dispatcher does not see, so the tracker patches
+them while it is active). It keeps the bytes of the live storages (a storage
 counts once however many views share it) and the largest total reached, with that moment's breakdown:
 
 =====================  ====================================================================================
@@ -128,6 +129,7 @@ class PeakMemoryTracker(TorchDispatchMode):
         self._forward_depth = 0
         self._hooks: list[Any] = []
         self._orig_resize = None
+        self._orig_swap = None
         self._cuda_step_peak: int | None = None
         self.device_run_peak_bytes: int | None = getattr(self, "device_run_peak_bytes", None)
 
@@ -239,6 +241,20 @@ class PeakMemoryTracker(TorchDispatchMode):
             self._add(st, _FORWARD if self._forward_depth else "other")
         return result
 
+    def _swap(self, st: torch.UntypedStorage, other: torch.UntypedStorage):
+        """Two storages exchange their memory (a ZeRO-3 slot lent or taken back): follow both sizes, the one
+        that shrinks first, so the total never counts the memory twice."""
+        if self._frozen is not None:
+            self._classify()
+        result = self._orig_swap(st, other)
+        label = _FORWARD if self._forward_depth else "other"
+        for s in sorted((st, other), key=lambda x: x.nbytes()):
+            if id(s) in self._live:
+                self._set_size(id(s), s.nbytes())
+            elif s.nbytes() > 0:
+                self._add(s, label)
+        return result
+
     def _pre_forward(self, module, args) -> None:
         self._forward_depth += 1
         for t in tree_flatten(args)[0]:  # the chunk's inputs are held for its backward
@@ -270,6 +286,12 @@ class PeakMemoryTracker(TorchDispatchMode):
             return tracker._resize(st, size)
 
         torch.UntypedStorage.resize_ = resize_
+        self._orig_swap = getattr(torch.UntypedStorage, "_swap_data_ptr_", None)
+        if self._orig_swap is not None:
+            def swap(st, other):
+                return tracker._swap(st, other)
+
+            torch.UntypedStorage._swap_data_ptr_ = swap
         if self.device.type == "cuda":  # the run's peak so far survives the reset (device_peak_bytes)
             self.device_run_peak_bytes = max(self.device_run_peak_bytes or 0,
                                              torch.cuda.max_memory_allocated(self.device))
@@ -281,6 +303,8 @@ class PeakMemoryTracker(TorchDispatchMode):
             super().__exit__(*exc)
         finally:
             torch.UntypedStorage.resize_ = self._orig_resize
+            if self._orig_swap is not None:
+                torch.UntypedStorage._swap_data_ptr_ = self._orig_swap
             for h in self._hooks:
                 h.remove()
             self._hooks.clear()

@@ -10,7 +10,9 @@ are extrapolated (:mod:`megazero.plan.extrapolate`).
 Per role the report gives the model states at rest, the peak by category (the same tracker as metrics.jsonl),
 the ledger's volume per group, the pipeline bubble (:func:`~megazero.pipeline.schedules.simulate`), the
 NCCL-order replay of the pipeline's point-to-point calls and a roofline step time (:mod:`megazero.plan.roofline`);
-then a verdict: fits, or which rank and category overflow.
+then a verdict on the larger of each role's two peaks, its training step's and an evaluation pass's (what a run
+does between steps; at ZeRO-3 it gathers block by block like the step): fits, or which rank and category
+overflow.
 """
 
 from __future__ import annotations
@@ -81,18 +83,19 @@ def dry_run(cfg: Config, c: Cluster, log_dir: str | None = None, device_type: st
     v = p.virtual_stages if schedule == "interleaved" else 1
     bubble = simulate(schedule, p.pp_size, t.gradient_accumulation_steps, v).bubble_fraction if p.pp_size > 1 else 0.0
     usable = c.usable_memory_bytes
-    worst = max(roles, key=lambda r: r.peak_bytes)
-    fits = worst.peak_bytes <= usable and p2p_ok
+    worst = max(roles, key=lambda r: r.larger_peak()[1])  # the training step's or the evaluation's peak
+    phase, peak, by_cat = worst.larger_peak()
+    fits = peak <= usable and p2p_ok
     if fits:
-        verdict = (f"fits: the largest peak is rank {worst.rank}'s {worst.peak_bytes / 1e9:.2f} GB of "
+        verdict = (f"fits: the largest peak is rank {worst.rank}'s {peak / 1e9:.2f} GB ({phase}) of "
                    f"{usable / 1e9:.1f} GB usable on {c.gpu.name}")
-    elif worst.peak_bytes <= usable:
+    elif peak <= usable:
         verdict = f"does not run: the point-to-point calls fail the NCCL-order replay: {p2p_text}"
     else:
-        cat = max(worst.peak_by_category, key=worst.peak_by_category.get)
+        cat = max(by_cat, key=by_cat.get)
         verdict = (f"does not fit: rank {worst.rank} (pp {worst.pp_rank}, tp {worst.tp_rank}) peaks at "
-                   f"{worst.peak_bytes / 1e9:.2f} GB > {usable / 1e9:.1f} GB usable on {c.gpu.name}; its largest "
-                   f"category is {cat} ({worst.peak_by_category[cat] / 1e9:.2f} GB)")
+                   f"{peak / 1e9:.2f} GB ({phase}) > {usable / 1e9:.1f} GB usable on {c.gpu.name}; its largest "
+                   f"category is {cat} ({by_cat[cat] / 1e9:.2f} GB)")
     report = DryRunReport(
         topology={"tp": p.tp_size, "cp": p.cp_size, "pp": p.pp_size, "dp": p.dp_size, "world_size": grid.world_size,
                   "zero_stage": cfg.zero.stage, "schedule": schedule, "virtual_stages": v,

@@ -175,8 +175,9 @@ def model_state_bytes(numels: Sequence[int] | float, stage: int, dp_size: int, p
     params = e * persistent + e * (psi - persistent) / nd if stage == 3 else e * psi
     grads = g * psi / nd if stage >= 2 else g * psi
     owned = psi / nd if stage >= 1 else psi
-    # fp32: the parameters are their own master copy, unless offload keeps a separate one in host memory
-    master = 4 * owned if e != 4 or offload_optimizer else 0.0
+    # fp32: the parameters are their own master copy, unless offload keeps a separate one (in host memory, or on
+    # the device apart from parameter shards offloaded alone)
+    master = 4 * owned if e != 4 or offload_optimizer or (offload_param and stage == 3) else 0.0
     states = 8 * owned  # Adam's two fp32 moments
     host_grads = 4 * owned if offload_optimizer else 0.0  # the fp32 host copy Adam reads, allocated once
     grads += host_grads

@@ -72,7 +72,7 @@ def extrapolate(n1: dict[str, int], n2: dict[str, int], m1: int, m2: int, m: int
 
 def _agree(a: RoleResult, b: RoleResult) -> bool:
     return (a.peak_bytes == b.peak_bytes and a.peak_by_category == b.peak_by_category and a.states == b.states
-            and a.host_reads == b.host_reads and a.steps == b.steps)
+            and a.host_reads == b.host_reads and a.steps == b.steps and a.eval_peak_bytes == b.eval_peak_bytes)
 
 
 def run_role_steady(cfg: Config, grid: RankGrid, rank: int, c: Cluster | None = None) -> RoleResult:

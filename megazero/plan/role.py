@@ -75,6 +75,14 @@ class RoleResult:
     p2p_calls: list | None = None  # the pipeline group's batched point-to-point calls, in issue order
     steps: int = 1  # steps run: 2 when the first left buffers that later steps start with (see run_role)
     micro_batches_run: list[int] = field(default_factory=list)  # counts run (megazero/plan/extrapolate.py)
+    eval_peak_bytes: int = 0  # the evaluation pass after the steps (Engine.eval_loss on the same batch)
+    eval_peak_by_category: dict[str, int] = field(default_factory=dict)
+
+    def larger_peak(self) -> tuple[str, int, dict[str, int]]:
+        """``(which, bytes, by category)`` of the larger of the training step's and the evaluation's peaks."""
+        if self.eval_peak_bytes > self.peak_bytes:
+            return "evaluation", self.eval_peak_bytes, self.eval_peak_by_category
+        return "training step", self.peak_bytes, self.peak_by_category
 
 
 class _HeldWork:
@@ -221,12 +229,18 @@ def run_role(cfg: Config, grid: RankGrid, rank: int, c: Cluster | None = None) -
                 second = _tracked_step(engine, batch, device, buffers, reader)
                 peak, steps = max(peak, second, key=lambda x: x["peak_bytes"]), 2
             states = engine.optimizer.model_state_bytes()
+            reads = reader.reads
+            evaluation = PeakMemoryTracker(device, buffers, engine.chunks)  # what a run does between steps too
+            with evaluation:
+                engine.eval_loss(batch)
+            evaluation = evaluation.result()
         breakdown = ctx.ledger.last_step()
         result = RoleResult(
             rank=rank, pp_rank=ctx.pp_rank, tp_rank=ctx.tp_rank, holds_vocab_padding=False, states=states,
             peak_bytes=int(peak["peak_bytes"]), peak_by_category=dict(peak["peak_by_category"]),
-            volumes=volumes(breakdown), breakdown=ctx.ledger.breakdown_last_step(), host_reads=reader.reads,
-            p2p_calls=p2p_first, steps=steps)
+            volumes=volumes(breakdown), breakdown=ctx.ledger.breakdown_last_step(), host_reads=reads,
+            p2p_calls=p2p_first, steps=steps, eval_peak_bytes=int(evaluation["peak_bytes"]),
+            eval_peak_by_category=dict(evaluation["peak_by_category"]))
         if c is not None:
             result.step_seconds = roofline_seconds(cfg, grid, rank, breakdown, c)
     finally:

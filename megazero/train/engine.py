@@ -17,6 +17,7 @@ loss, the squared gradient norm and the token count together.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +67,7 @@ class Engine:
         self.executor = PipelineExecutor(self.chunks, self.specs, parts.p2p, ctx.pp_rank, ctx.pp_size, self.device)
         self.activation_peak_bytes = 0  # most saved-activation bytes held at once, over all steps
         self.step = 0  # optimizer steps taken
+        device_io.release_free_memory(self.device)  # construction's temporaries (device_io's docstring)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -104,8 +106,8 @@ class Engine:
             return 0.0
         world = self.ctx.world_group
         rel = torch.zeros(1, dtype=torch.float64, device=world.device)
-        with self.optimizer.gathered_parameters():
-            for w in self.tied:
+        for ps in self.optimizer.gathered_units(self.tied):  # ZeRO-3: the embedding's own units, one at a time
+            for w in ps:
                 first, last = self.ctx.embedding_group.all_gather_list(w.detach().double().contiguous())
                 rel = torch.maximum(rel, (last - first).norm() / first.norm().clamp_min(1e-30))
         world.all_reduce(rel, op="max")
@@ -152,7 +154,9 @@ class Engine:
 
     @torch.no_grad()
     def eval_loss(self, micro_batches: list[MicroBatch]) -> float:
-        """Token-weighted mean loss over the global batch, run through the pipeline without a graph."""
+        """Token-weighted mean loss over the global batch, run through the pipeline without a graph. At ZeRO-3
+        the forwards gather and release block by block as in training (the same hooks, prefetch and traced
+        order, so no order check), never the whole model."""
         micro_batches = self._cp_local(micro_batches)
         for chunk in self.chunks:
             chunk.eval()
@@ -160,15 +164,24 @@ class Engine:
         # the training schedule's forwards in its order: every chunk's actions, transfers paired alike
         actions = build_schedule(self.schedule, self.ctx.pp_size, self.ctx.pp_rank, len(micro_batches),
                                  self.virtual_stages)
-        with self.optimizer.gathered_parameters():
-            stats = self.executor.run(actions, micro_batches, tokens, backward=None)
+        stats = self.executor.run(actions, micro_batches, tokens, backward=None)
         return device_io.read(self._global_loss(stats.loss_sum, tokens))[0]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters, unsharded over TP, in fp32 (a collective over the TP and, at stage 3, DP
-        groups). Merge the dicts of every pipeline rank for the whole model."""
+        """This rank's parameters, unsharded over TP, in fp32, in host memory (a collective over the TP and, at
+        stage 3, DP groups). Merge the dicts of every pipeline rank for the whole model.
+
+        At ZeRO-3 the units are gathered one at a time (the next prefetched), each parameter unsharded over TP
+        and copied to host memory, then released: the device holds at most two units, never the replica."""
         out: dict[str, torch.Tensor] = {}
-        with self.optimizer.gathered_parameters():
+        seen: set[int] = set()
+        for ps in itertools.chain(self.optimizer.gathered_units(), [None]):  # None: what no unit holds (frozen)
+            if ps is None:
+                ps = [p for c in self.chunks for p in c.parameters() if id(p) not in seen]
+            only = set(ps)
+            seen.update(id(p) for p in only)
             for chunk in self.chunks:
-                out.update(full_state_dict(chunk, self.ctx.tp_group))
-        return out
+                for name, value in full_state_dict(chunk, self.ctx.tp_group, only).items():
+                    out[name] = device_io.empty(value.numel(), value.dtype).view(value.shape).copy_(value)
+        order = [n for c in self.chunks for n, _ in c.named_parameters()]
+        return {n: out[n] for n in order if n in out}

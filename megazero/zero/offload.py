@@ -7,7 +7,11 @@ into one fp32 host buffer, allocated once, and runs Adam there in chunks; each u
 the device parameters while the next chunk is computed. In fp32 the device parameters therefore need a separate
 host master copy (:class:`~megazero.zero.state.OwnedState` keeps one whenever offload is on).
 ``offload_param: {device: cpu}`` (stage 3) is the store's part: :mod:`.stage3` keeps the parameter shards in
-host memory and moves each to the device just before its all-gather.
+host memory and moves each to the device just before its all-gather. With both, Adam runs here and writes the
+host shards. With ``offload_param`` alone, the optimizer's states stay on the device: the fp32 master (kept
+apart from the host shards even in fp32), the moments and the gradients are all device tensors, Adam runs
+there, and the updated master is then written into the host shards in the model dtype (one copy of Ψ/Nd per
+step, where DeepSpeed would refuse the combination or mix devices in its optimizer call).
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ from megazero.zero.grads import OwnedGrads, grad_dtype_for
 from megazero.zero.loss_scaler import make_loss_scaler
 from megazero.zero.offload import HostOffload
 from megazero.zero.state import OwnedRun, OwnedState
-from megazero.zero.store import build_store, claim, gathered
+from megazero.zero.store import build_store, claim, gathered, walk
 
 __all__ = ["NonFiniteGradientError", "StepStats", "ZeroOptimizer", "grad_norm_weights"]
 
@@ -106,7 +106,8 @@ class ZeroOptimizer:
     multiple every rank's slice is padded to. The model may be built on the meta device: then ``param_init``
     gives each parameter's full fp32 value and ``device`` where the buffers live; the store materialises one
     parameter (stages 0-2) or one gather unit (stage 3, sharded) at a time, so no full copy of the replica
-    exists beyond the buffers the formula counts.
+    exists beyond the buffers the formula counts. ``reduce_group`` is a second communicator over the ranks of
+    ``dp_group`` for stage 3's gradient reductions (:func:`~megazero.zero.store.build_store`).
     """
 
     def __init__(
@@ -124,6 +125,7 @@ class ZeroOptimizer:
         tied_group: Group | None = None,
         param_init: Callable[[nn.Parameter], torch.Tensor] | None = None,
         device: torch.device | None = None,
+        reduce_group: Group | None = None,
     ) -> None:
         if precision not in PRECISION_DTYPES:
             raise ValueError(f"--precision must be one of {sorted(PRECISION_DTYPES)}, got {precision!r}")
@@ -138,12 +140,14 @@ class ZeroOptimizer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters")
+        if reduce_group is not None and reduce_group.ranks != dp_group.ranks:
+            raise ValueError(f"reduce_group {reduce_group} must hold the ranks of dp_group {dp_group}")
         claim(self.params)
         self.norm_counted = norm_counted or {p: True for p in self.params}
         self.grad_dtype = grad_dtype_for(precision, zero_cfg.grad_dtype)
         self.store = build_store(model, self.params, zero_cfg, self.dtype, self.grad_dtype, dp_group, align=align,
                                  tied_params=tied_params, tied_group=tied_group, param_init=param_init,
-                                 device=device)
+                                 device=device, reduce_group=reduce_group)
         # Segments of a parameter with a copy elsewhere (the tied embedding on the first and last pipeline
         # stage). Each copy is partitioned on its own, so both hold the same elements here and their reduced
         # gradients can be summed over ``tied_group`` before the update.
@@ -156,8 +160,13 @@ class ZeroOptimizer:
         pin = zero_cfg.offload_optimizer_pin_memory and torch.cuda.is_available()
         self.host = HostOffload(pin) if self.offload else None
         self.mixed = self.dtype != torch.float32
+        # parameter shards in host memory without optimizer offload: the fp32 master and the moments stay on the
+        # device with the gradients (one device in the Adam call), the master apart from the host shards even in
+        # fp32, written into them after each update (megazero/zero/offload.py)
+        self.offload_param = zero_cfg.offload_param == "cpu" and zero_cfg.stage == 3
         # this rank's partition: a separate fp32 master under mixed precision, and under offload (on the host)
-        self.state = OwnedState(self.store, separate_master=self.mixed or self.offload, host=self.host)
+        self.state = OwnedState(self.store, separate_master=self.mixed or self.offload or self.offload_param,
+                                host=self.host, device=self._comm_device)
         self._decay_runs = self.state.runs(lambda p: p.ndim >= 2)  # runs never span two segments
         self._norm_runs = self.state.runs(lambda p: self.norm_counted.get(p, True))
         self.scaler = make_loss_scaler(precision, loss_scale_cfg)
@@ -281,7 +290,7 @@ class ZeroOptimizer:
             coef = min(1.0, self.opt_cfg.clip_grad / (norm + 1e-6))
         g.scale_(coef / scale)
         self._adam(g, lr)
-        if self.mixed and not self.offload:  # (offload copies each updated chunk back as it goes)
+        if self.state.master is not None and not self.offload:  # (offload copies each chunk back as it goes)
             self.state.write_params()
         del g
         self.store.after_step()
@@ -338,6 +347,13 @@ class ZeroOptimizer:
         to export or evaluate outside the training step; a collective over ``dp_group`` at stage 3, free
         otherwise (:func:`~megazero.zero.store.gathered`)."""
         return gathered(self.store)
+
+    def gathered_units(self, params: Sequence[nn.Parameter] | None = None) -> Iterator[list[nn.Parameter]]:
+        """Lists of trainable parameters (only ``params``, when given), each holding its whole value until the
+        loop moves on: the whole model at once at stages 0-2, one gather unit at a time at stage 3 (a collective
+        over ``dp_group``; :func:`~megazero.zero.store.walk`). What export and the tied-embedding check use: it
+        never holds more than two units, where :meth:`gathered_parameters` holds the whole replica."""
+        return walk(self.store, params)
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of the model states this rank holds now (:func:`megazero.zero.accounting.model_state_bytes`)."""

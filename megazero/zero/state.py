@@ -38,18 +38,19 @@ class OwnedState:
 
     A separate master starts from each segment's fp32 ``init`` values (a mixed-precision model's fp32 start,
     dropped once taken), else from the parameters. ``starts`` are the segments' offsets in owned coordinates,
-    ``numel`` their total, ``pieces`` the ``(start, end, tensor)`` runs Adam updates in place.
+    ``numel`` their total, ``pieces`` the ``(start, end, tensor)`` runs Adam updates in place. Without ``host``
+    the states live on ``device`` (default: the first segment's).
     """
 
     def __init__(self, store: BucketedParams | Stage3Params, separate_master: bool,
-                 host: HostOffload | None = None) -> None:
+                 host: HostOffload | None = None, device: torch.device | None = None) -> None:
         self.store = store
         segs = store.segments
         self.starts = [0]
         for s in segs:
             self.starts.append(self.starts[-1] + s.param.numel())
         self.numel = self.starts[-1]
-        device = segs[0].param.device
+        device = device or segs[0].param.device  # the compute device (not a host shard's, under offload_param)
 
         def fp32(zero: bool) -> torch.Tensor:  # an owned-size fp32 state, in host memory under offload
             if host is not None:

@@ -23,7 +23,7 @@ from megazero.distributed.group import Group
 from megazero.zero.bucketed import BucketedParams, sharded_state
 from megazero.zero.stage3.params import Stage3Params
 
-__all__ = ["build_store", "claim", "gathered"]
+__all__ = ["build_store", "claim", "gathered", "walk"]
 
 
 def claim(params: Sequence[nn.Parameter]) -> None:
@@ -51,11 +51,13 @@ def _bucket_numel(zero_cfg: ZeroConfig, params: Sequence[nn.Parameter], dp_group
 def build_store(model: nn.Module, params: Sequence[nn.Parameter], zero_cfg: ZeroConfig, dtype: torch.dtype,
                 grad_dtype: torch.dtype, dp_group: Group, *, align: int, tied_params: Sequence[nn.Parameter],
                 tied_group: Group | None, param_init: Callable[[nn.Parameter], torch.Tensor] | None,
-                device: torch.device | None) -> BucketedParams | Stage3Params:
+                device: torch.device | None, reduce_group: Group | None = None) -> BucketedParams | Stage3Params:
     """The store of ``model``'s trainable ``params`` at ``zero_cfg.stage``, in ``dtype``, over ``dp_group``.
 
     ``tied_params`` get buckets (units) of their own, so each copy is partitioned alike; frozen parameters just
-    follow the compute dtype.
+    follow the compute dtype. ``reduce_group`` (the DP ranks over a second communicator) carries stage 3's
+    gradient reductions, so on NCCL they run on a stream of their own beside the prefetch gathers; stages 0-2
+    gather nothing during backward and reduce over ``dp_group``.
     """
     sharded = sharded_state(zero_cfg.stage)
     # the model chunks of an interleaved pipeline: a backward reduces only the chunk that ran
@@ -66,7 +68,7 @@ def build_store(model: nn.Module, params: Sequence[nn.Parameter], zero_cfg: Zero
         store = Stage3Params(model, dtype, dp_group, replace(zero_cfg, reduce_bucket_size=bucket),
                              align=align, isolate=tied_params,
                              offload_param=zero_cfg.offload_param == "cpu", param_init=param_init,
-                             device=device, grad_dtype=grad_dtype)
+                             device=device, grad_dtype=grad_dtype, reduce_group=reduce_group)
     else:
         store = BucketedParams(
             params, dtype, dp_group, shard_optimizer=sharded.optimizer_states,
@@ -92,3 +94,15 @@ def gathered(store: BucketedParams | Stage3Params) -> Iterator[None]:
         yield
     finally:
         store.release_all()
+
+
+def walk(store: BucketedParams | Stage3Params, params: Sequence[nn.Parameter] | None = None
+         ) -> Iterator[list[nn.Parameter]]:
+    """Lists of the store's parameters (only ``params``, when given), each list holding its whole values until the
+    caller moves on: one list at stages 0-2; at stage 3 one gather unit at a time, never the whole model (a
+    collective over the DP group, :meth:`Stage3Params.walk <megazero.zero.stage3.params.Stage3Params.walk>`)."""
+    if isinstance(store, Stage3Params):
+        yield from store.walk(params)
+        return
+    wanted = None if params is None else {id(p) for p in params}
+    yield [p for p in reversed(store.params) if wanted is None or id(p) in wanted]

@@ -25,10 +25,13 @@ it again for its backward).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from megazero.distributed import device_io
 from megazero.distributed.group import Group
+from megazero.zero.stage3.slots import SlotPool
 from megazero.zero.stage3.units import Unit
 
 __all__ = ["FWD", "BWD", "HOLD", "GatherOrderError", "GatherScheduler"]
@@ -55,9 +58,10 @@ class _Holding:
 class GatherScheduler:
     """Gathers and releases :class:`Unit` buffers over ``dp_group`` (see the module docstring)."""
 
-    def __init__(self, units: list[Unit], dp_group: Group, device: torch.device, placeholder: torch.Tensor, *,
-                 prefetch_numel: int, max_live: int, reuse_distance: int) -> None:
+    def __init__(self, units: list[Unit], dp_group: Group, device: torch.device, placeholder: torch.Tensor,
+                 slots: SlotPool, *, prefetch_numel: int, max_live: int, reuse_distance: int) -> None:
         self.units, self.dp_group, self.device, self.placeholder = units, dp_group, device, placeholder
+        self.slots = slots  # the persistent buffers gathered units borrow (:mod:`.slots`)
         self.prefetch_numel, self.max_live, self.reuse_distance = prefetch_numel, max_live, reuse_distance
         self.live = 0  # elements gathered (or being gathered) right now
         self.gathered: dict[int, Unit] = {}  # uid -> unit, gathered (or being gathered) right now
@@ -71,11 +75,17 @@ class GatherScheduler:
         self.follow: list[int] | None = None
         self.cursor = 0
         self.seq = 0  # gathers in this pass (the check's sequence number)
+        self.chunk_units: dict[int, set[int]] = {}  # chunk -> its units' ids
+        for u in units:
+            self.chunk_units.setdefault(u.chunk, set()).add(u.uid)
+        self.unused: set[int] | None = None  # a backward: its chunk's units it has not used yet
 
     # -- passes ----------------------------------------------------------------------------------------------
     def begin(self, phase: int, chunk: int | None = None) -> None:
         """Start a pass; a backward's key is set by its first use."""
         self.phase, self.seq, self.recorded, self.cursor = phase, 0, [], 0
+        self.unused = None
+        self.slots.refill()
         self.key = (phase, chunk) if chunk is not None else None
         self.follow = self.traces.get(self.key) if self.key is not None else None
 
@@ -93,6 +103,7 @@ class GatherScheduler:
         if self.key is None:  # a backward is keyed by its first unit
             self.key = (self.phase, unit.uid)
             self.follow = self.traces.get(self.key)
+            self.unused = set(self.chunk_units[unit.chunk])
         self.recorded.append(unit.uid)
         unit.kept = None
         self.kept.pop(unit.uid, None)
@@ -110,6 +121,10 @@ class GatherScheduler:
         if unit.work is not None:
             unit.work.wait()
             unit.work = None
+        if self.unused is not None:
+            self.unused.discard(unit.uid)
+            if not self.unused:  # the backward's last gather: the pool has little left to serve
+                self.slots.drain()
 
     def _next(self, current: Unit) -> Unit | None:
         """The unit the trace uses next (one unit ahead), if it should be prefetched now."""
@@ -131,16 +146,17 @@ class GatherScheduler:
                 return
             self.release(u)
 
-    def fetch(self, unit: Unit) -> None:
-        """Start the all-gather of ``unit`` into its full buffer (checked while tracing)."""
-        if self.follow is None:
+    def fetch(self, unit: Unit, pooled: bool = True, check: bool = True) -> None:
+        """Start the all-gather of ``unit`` into its full buffer (checked while tracing); the buffer is a slot
+        of the pool when ``pooled`` (else allocated for this use)."""
+        if self.follow is None and check:
             self.check(unit)
         self.seq += 1
         for u in list(self.kept.values()):  # units kept for reuse age by what is gathered after them
             u.kept += unit.numel
             if u.kept > self.reuse_distance:
                 self.release(u)
-        unit.full.untyped_storage().resize_(unit.full_bytes)
+        self.slots.fill(unit.full.untyped_storage(), unit.full_bytes, pooled and not unit.is_root)
         for p, view in zip(unit.params, unit.views):
             p.data = view
         unit.gathered = True
@@ -166,7 +182,7 @@ class GatherScheduler:
         if unit.work is not None:
             unit.work.wait()
             unit.work = None
-        unit.full.untyped_storage().resize_(0)
+        self.slots.empty(unit.full.untyped_storage())
         for p in unit.params:
             p.data = self.placeholder.expand(p.shape)
         unit.gathered, unit.kept = False, None
@@ -179,15 +195,49 @@ class GatherScheduler:
         if self.hold == 0:
             saved = self.phase, self.seq, self.follow
             self.phase, self.seq, self.follow = HOLD, 0, None
-            for u in self.units:
+            for u in self.units:  # not in slots: the pool would grow to the whole model and stay
                 if not u.gathered:
-                    self.fetch(u)
+                    self.fetch(u, pooled=False)
             for u in self.units:
                 if u.work is not None:
                     u.work.wait()
                     u.work = None
             self.phase, self.seq, self.follow = saved
         self.hold += 1
+
+    def walk(self, units: list[Unit]) -> Iterator[Unit]:
+        """Yield ``units`` one at a time, each gathered and released once the caller is done with it, the next
+        prefetched meanwhile (within the prefetch size and the live budget): export and the tied-embedding check
+        hold one or two units, never the model. One order check covers the whole walk (its length and first
+        unit), since a walk has no control flow of its own; units already gathered are left as they are."""
+        if not units:
+            return
+        saved = self.phase, self.seq, self.follow
+        self.phase, self.seq, self.follow = HOLD, len(units), None
+        ours: list[Unit] = []
+        try:
+            self.check(units[0])
+            for i, unit in enumerate(units):
+                if not unit.gathered:
+                    self._make_room(unit.numel)
+                    self.fetch(unit, check=False)
+                    ours.append(unit)
+                nxt = units[i + 1] if i + 1 < len(units) else None
+                if (nxt is not None and not nxt.gathered and nxt.numel <= self.prefetch_numel
+                        and self.live + nxt.numel <= self.max_live):
+                    self.fetch(nxt, check=False)
+                    ours.append(nxt)
+                if unit.work is not None:
+                    unit.work.wait()
+                    unit.work = None
+                yield unit
+                if unit in ours:
+                    ours.remove(unit)
+                    self.release(unit)
+        finally:
+            for unit in ours:
+                self.release(unit)
+            self.phase, self.seq, self.follow = saved
 
     def release_all(self) -> None:
         """Undo one :meth:`gather_all`; the outermost releases every unit."""

@@ -45,7 +45,7 @@ gathered once more, for its recomputation: 4mΨ for the blocks.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -55,6 +55,7 @@ from megazero.distributed import device_io
 from megazero.distributed.group import Group
 from megazero.zero.bucketed import BucketedParams, FlatLayout, OwnedSegment, set_data
 from megazero.zero.stage3.gather import BWD, FWD, GatherOrderError, GatherScheduler
+from megazero.zero.stage3.slots import SlotPool
 from megazero.zero.stage3.units import PreBackward, Unit, collect_units, model_chunks, saves_storage
 
 __all__ = ["GatherOrderError", "Stage3Params"]
@@ -68,8 +69,10 @@ class Stage3Params:
     def __init__(self, model: nn.Module, dtype: torch.dtype, dp_group: Group, cfg: ZeroConfig, *,
                  align: int = 16, isolate: Sequence[nn.Parameter] = (), offload_param: bool = False,
                  param_init: ParamInit | None = None, device: torch.device | None = None,
-                 grad_dtype: torch.dtype | None = None) -> None:
+                 grad_dtype: torch.dtype | None = None, reduce_group: Group | None = None) -> None:
         self.model, self.dtype, self.dp_group, self.rank, self.cfg = model, dtype, dp_group, dp_group.rank, cfg
+        # gradient reductions go over their own communicator (on NCCL its own stream), apart from the gathers
+        self.reduce_group = reduce_group or dp_group
         self.overlap_comm, self.reduce_scatter = cfg.overlap_comm, cfg.reduce_scatter
         self.grad_dtype = grad_dtype or dtype  # the optimizer's --grad-dtype (fp32 in bf16 by default)
         narrow = dtype.itemsize < self.grad_dtype.itemsize
@@ -94,7 +97,7 @@ class Stage3Params:
                 bucket_numel=min(cfg.reduce_bucket_size, cfg.allgather_bucket_size), align=align,
                 overlap_comm=cfg.overlap_comm, reduce_scatter=cfg.reduce_scatter, isolate=isolate,
                 grad_dtype=self.grad_dtype, max_inflight=self.max_inflight, param_init=param_init,
-                device=self.device) if ps else None
+                device=self.device, reduce_group=self.reduce_group) if ps else None
             self.persistent.append(store)
             self.segments += store.segments if store is not None else []
         for s in specs:
@@ -106,22 +109,25 @@ class Stage3Params:
         self.shard_flat = (device_io.empty(total, dtype, pin=torch.cuda.is_available()) if offload_param
                            else torch.empty(total, dtype=dtype, device=self.device))
         self._placeholder = torch.full((1,), float("nan"), dtype=dtype, device=self.device)
+        self.slots = SlotPool(self._slot_bytes(specs, layouts), self.device)
         self.units: list[Unit] = []
         off = 0
         for spec, layout in zip(specs, layouts):
             n = layout.shard_numel
-            full = torch.empty(layout.padded_numel, dtype=dtype, device=self.device)
-            grad = torch.empty(n, dtype=self.grad_dtype, device=self.device)
+            # released from the start (gathered when first used; the owned gradient allocated by the unit's
+            # first reduction of a step): both made in a slot and left with an empty storage, no allocation
+            full, grad = self._lent(layout.padded_numel, dtype), self._lent(n, self.grad_dtype)  # (if they fit)
             unit = Unit(len(self.units), spec, layout, self.shard_flat[off: off + n], grad, full)
+            self.slots.empty(full.untyped_storage())  # after the parameters' views are made
+            self.slots.empty(grad.untyped_storage())
             off += n
-            full.untyped_storage().resize_(0)  # released from the start: gathered when first used
-            grad.untyped_storage().resize_(0)  # allocated by the unit's first reduction of a step
             self.segments.append(self._shard_unit(unit, param_init))
             self.units.append(unit)
             for p in unit.params:
                 p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, unit))
         self.sched = GatherScheduler(
-            self.units, dp_group, self.device, self._placeholder, prefetch_numel=cfg.stage3_prefetch_bucket_size,
+            self.units, dp_group, self.device, self._placeholder, self.slots,
+            prefetch_numel=cfg.stage3_prefetch_bucket_size,
             max_live=cfg.stage3_max_live_parameters,
             reuse_distance=cfg.stage3_max_reuse_distance)
         self._install_hooks()
@@ -130,16 +136,33 @@ class Stage3Params:
         self._probed = False  # this forward pass looked at what its part before the first block saved
         self._roots_free: dict[int, bool] = {}  # chunk -> its own units are not needed by the blocks' backward
         self._saved_names: dict[type, list[str]] = {}  # autograd node type -> its saved-value attributes
-        self._inflight: list[tuple] = []  # (work, unit, buffer, this rank's part, start, first, to recycle)
-        self._pool: dict[int, list[torch.Tensor]] = {}  # idle staging buffers by size
-        self.peak_grad_numel = 0  # most staging elements held at once (filling, in flight or pooled)
+        self._inflight: list[tuple] = []  # (work, unit, buffer, this rank's part, start, first, its slot)
+
+    def _slot_bytes(self, specs, layouts: list[FlatLayout]) -> int:
+        """The pool's slot: the most bytes a block unit needs at once for one buffer (gathered, staged, or one
+        converted reduction chunk); a chunk's own units are allocated per use (:mod:`.slots`)."""
+        size, need = self.dp_group.size, 0
+        for spec, lay in zip(specs, layouts):
+            if not spec.is_root:
+                chunk = size * -(-lay.shard_numel // self.reduce_chunks) * self.grad_dtype.itemsize
+                need = max(need, lay.padded_numel * max(self.dtype.itemsize, self.stage_dtype.itemsize), chunk)
+        return need
+
+    def _lent(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of ``numel`` elements on a storage of its own that holds a borrowed slot (or, larger than a
+        slot, its own memory) until ``self.slots.empty`` is called on it: construction shapes the units' buffers
+        and their views this way without allocating and freeing a block's bytes for each."""
+        storage = torch.UntypedStorage(0, device=self.device)
+        self.slots.fill(storage, numel * dtype.itemsize)
+        return torch.empty(0, dtype=dtype, device=self.device).set_(storage, 0, (numel,), (1,))
 
     def _shard_unit(self, unit: Unit, param_init: ParamInit | None) -> OwnedSegment:
         """Fill this rank's shard of ``unit`` from its full fp32 values (built here one unit at a time when
         the model is on the meta device), release the unit, and return its owned segment."""
         layout, ps = unit.layout, unit.params
         lo, hi = layout.shard_range(self.rank)
-        flat32 = torch.zeros(layout.padded_numel, dtype=torch.float32, device=self.device)
+        slot, flat32 = self.slots.view(layout.padded_numel, torch.float32)  # in a slot where it fits (fp32)
+        flat32.zero_()
         for p, o, n in zip(ps, layout.offsets, layout.numels):
             value = param_init(p) if p.is_meta else p.detach()
             flat32[o: o + n].copy_(value.reshape(-1))
@@ -148,6 +171,7 @@ class Stage3Params:
         unit.shard.copy_(flat32[lo:hi])
         init = flat32[lo:hi].clone() if self.dtype != torch.float32 else None
         del flat32
+        self.slots.give_back(slot)
         pieces = [(ps[pc.index], pc.offset, pc.offset + pc.numel) for pc in layout.pieces(lo, hi)]
         return OwnedSegment(unit.shard, unit.grad, pieces, init)
 
@@ -224,10 +248,8 @@ class Stage3Params:
 
     # -- gradients -----------------------------------------------------------------------------------------
     def _staging(self, unit: Unit) -> torch.Tensor:
-        pool = self._pool.get(unit.numel)
-        buf = pool.pop() if pool else torch.empty(unit.numel, dtype=self.stage_dtype, device=self.device)
-        used = sum(t.numel() for t in self._held_staging())
-        self.peak_grad_numel = max(self.peak_grad_numel, used + unit.numel)
+        """A staging buffer for ``unit``'s local gradients: a slot of the pool (kept in ``unit.staging_slot``)."""
+        unit.staging_slot, buf = self.slots.view(unit.numel, self.stage_dtype, pooled=not unit.is_root)
         return buf
 
     def _on_grad(self, unit: Unit, p: nn.Parameter) -> None:
@@ -261,7 +283,7 @@ class Stage3Params:
         direct = (g is not None and g.dtype == self.stage_dtype and g.numel() == unit.numel
                   and g.is_contiguous())  # one parameter, no padding: its own .grad is the reduction's input
         if direct:
-            unit.staging, unit.params[0].grad = g.view(-1), None
+            unit.staging, unit.staging_slot, unit.params[0].grad = g.view(-1), None, None
         elif unit.staging is None:
             unit.staging = self._staging(unit)
             if not unit.is_root:
@@ -277,53 +299,48 @@ class Stage3Params:
                         unit.staging[o: o + n].copy_(p.grad.reshape(-1))
                         p.grad = None
             unit.staging[unit.layout.numel:].zero_()
-        flat, unit.staging = unit.staging, None
+        flat, slot, unit.staging, unit.staging_slot = unit.staging, unit.staging_slot, None, None
         first = not unit.grad_live  # the step's first reduction of this unit allocates its owned gradient
         if first:
             self._materialise(unit)
         s, size = unit.layout.shard_numel, self.dp_group.size
         if flat.dtype == self.grad_dtype:
-            self._issue(unit, flat, 0, s, first, pool=flat)
+            self._issue(unit, flat, 0, s, first, slot)
             return
         step = -(-s // self.reduce_chunks)
         for a in range(0, s, step):  # [a, b) of every rank's slice, converted to grad_dtype
             b = min(a + step, s)
-            chunk = torch.empty((size, b - a), dtype=self.grad_dtype, device=flat.device)
-            chunk.copy_(flat.view(size, s)[:, a:b])
-            self._issue(unit, chunk.view(-1), a, b, first, pool=None)
-            del chunk  # freed when its reduction completes (see _complete_oldest)
-        self._recycle(flat)
+            chunk_slot, chunk = self.slots.view(size * (b - a), self.grad_dtype, pooled=not unit.is_root)
+            chunk.view(size, b - a).copy_(flat.view(size, s)[:, a:b])
+            self._issue(unit, chunk, a, b, first, chunk_slot)
+            del chunk  # a slot goes back when its reduction completes, a fresh tensor is freed (_complete_oldest)
+        self.slots.give_back(slot)
 
-    def _issue(self, unit: Unit, flat: torch.Tensor, a: int, b: int, first: bool, pool) -> None:
+    def _issue(self, unit: Unit, flat: torch.Tensor, a: int, b: int, first: bool, slot) -> None:
         """Reduce ``flat`` (every rank's [a, b) of ``unit``, rank-major) into this rank's owned [a, b)."""
         n = b - a
         mine = flat[self.rank * n: (self.rank + 1) * n]
         if self.reduce_scatter:
-            work = self.dp_group.reduce_scatter(mine, flat, tag="grad", async_op=True)
+            work = self.reduce_group.reduce_scatter(mine, flat, tag="grad", async_op=True)
         else:
-            work = self.dp_group.all_reduce(flat, tag="grad", async_op=True)
-        self._inflight.append((work, unit, flat, mine, a, first, pool))
+            work = self.reduce_group.all_reduce(flat, tag="grad", async_op=True)
+        self._inflight.append((work, unit, flat, mine, a, first, slot))
         limit = self.max_inflight if self.overlap_comm else 0
         while len(self._inflight) > limit:
             self._complete_oldest()
 
     def _complete_oldest(self) -> None:
-        work, unit, buf, mine, a, first, pool = self._inflight.pop(0)
+        work, unit, buf, mine, a, first, slot = self._inflight.pop(0)
         work.wait()
         dest = unit.grad[a: a + mine.numel()]
         if first:
             dest.copy_(mine)
         else:  # a later micro-batch: accumulate
             dest.add_(mine)
-        if pool is not None:
-            self._recycle(pool)
-        else:  # a converted chunk: free it now (gloo's worker may keep a reference to the tensor a while)
-            buf.untyped_storage().resize_(0)
-
-    def _recycle(self, flat: torch.Tensor) -> None:
-        """Keep a staging buffer for reuse only while a gathered unit of its size has gradients to come."""
-        if any(not u.reduced and u.numel == flat.numel() for u in self.sched.gathered.values()):
-            self._pool.setdefault(flat.numel(), []).append(flat)
+        if slot is not None:
+            self.slots.give_back(slot)
+        elif buf.dtype != self.stage_dtype:  # a converted chunk too large for a slot: free it now (gloo's
+            buf.untyped_storage().resize_(0)  # worker may keep a reference to the tensor a while)
 
     def _materialise(self, unit: Unit) -> torch.Tensor:
         unit.grad.untyped_storage().resize_(unit.grad.numel() * unit.grad.element_size())
@@ -331,8 +348,7 @@ class Stage3Params:
         return unit.grad
 
     def _held_staging(self) -> list[torch.Tensor]:
-        return ([u.staging for u in self.units if u.staging is not None] + [e[2] for e in self._inflight]
-                + [t for ts in self._pool.values() for t in ts])
+        return [u.staging for u in self.units if u.staging is not None] + [e[2] for e in self._inflight]
 
     # -- the store interface the optimizer drives ----------------------------------------------------------
     def zero_grad(self) -> None:
@@ -370,13 +386,13 @@ class Stage3Params:
         for unit in list(self.sched.gathered.values()):
             self.sched.release(unit)
         for u in self.units:
-            u.staging = None
+            self.slots.give_back(u.staging_slot)
+            u.staging, u.staging_slot = None, None
         self.sched.end()
         self._in_backward = False
         for c, store in enumerate(self.persistent):
             if store is not None and c in self._touched:
                 store.finish_backward()
-        self._pool.clear()
 
     def reduce_gradients(self) -> None:
         """Nothing left to reduce at the boundary (stage 3 reduces during every backward); owned gradients of
@@ -398,6 +414,20 @@ class Stage3Params:
     def release_all(self) -> None:
         """Release every gathered unit (the outermost of nested :meth:`gather_all` calls)."""
         self.sched.release_all()
+
+    def walk(self, params: Sequence[nn.Parameter] | None = None) -> Iterator[list[nn.Parameter]]:
+        """Lists of parameters holding their whole values, one gather unit at a time (:meth:`GatherScheduler.walk
+        <megazero.zero.stage3.gather.GatherScheduler.walk>`): the persistent ones first (whole anyway), then each
+        unit's, released once the caller moves on. ``params``: only those (and the units holding them). A
+        collective over the DP group: every rank walks with the same ``params``."""
+        wanted = None if params is None else {id(p) for p in params}
+        whole = [p for store in self.persistent if store is not None for p in reversed(store.params)]
+        whole = [p for p in whole if wanted is None or id(p) in wanted]
+        if whole:
+            yield whole
+        units = [u for u in self.units if wanted is None or any(id(p) in wanted for p in u.params)]
+        for unit in self.sched.walk(units):
+            yield [p for p in unit.params if wanted is None or id(p) in wanted]
 
     def layouts(self) -> list[tuple[list[nn.Parameter], FlatLayout, int]]:
         """``(parameters, layout, rank)`` of each owned segment, in the order of :attr:`segments`."""
@@ -428,7 +458,7 @@ class Stage3Params:
         """The buffers this store holds right now, by model-state category (released units hold 0 bytes)."""
         params = [self.shard_flat] + [u.full for u in self.units]
         grads = [u.grad for u in self.units] + self._held_staging()
-        comm: list[torch.Tensor] = []  # the persistent parameters' staging pools
+        comm: list[torch.Tensor] = self.slots.held()  # idle slots; the persistent parameters' staging pools
         for store in self.persistent:
             if store is not None:
                 held = store.held_tensors()

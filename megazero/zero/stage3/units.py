@@ -113,6 +113,7 @@ class Unit:
         self.remaining = len(self.params)
         self.reduced = False
         self.staging: torch.Tensor | None = None
+        self.staging_slot: torch.Tensor | None = None  # the pool's slot ``staging`` views (None: its own memory)
 
     def reset_backward(self) -> None:
         self.arrived = [False] * len(self.params)
