@@ -88,5 +88,5 @@ def test_a_cp_layout_dry_runs_as_one_role():
     rep = dry_run(cfg, cluster("h100", 8), device_type="cuda")
     assert rep.topology["cp"] == 2 and len(rep.roles) == 1 and rep.fits
     role = rep.roles[0]
-    assert role.volumes.get("cp", 0) > 0
+    assert role.volumes.get("cp", 0) > 0 and role.step_seconds["cp_comm_s"] > 0  # the ring on its link
     assert RankGrid(4, cp_size=2, dp_size=2).group_of("cp", 0) == [0, 1]

@@ -252,14 +252,19 @@ def run_role(cfg: Config, grid: RankGrid, rank: int, c: Cluster | None = None) -
 def roofline_seconds(cfg: Config, grid: RankGrid, rank: int, breakdown: dict[tuple[str, str, str], int],
               c: Cluster) -> dict[str, float]:
     """Roofline step time of this rank from the volumes it recorded. Under CP the step's work and ZeRO's group
-    are spread over dp x cp ranks (the CP ring's own traffic is not in the model yet)."""
+    are spread over dp x cp ranks; the CP group's sends (the ring: K/V in the compute dtype, dK/dV in fp32) and
+    collectives (the all-gather mode) go over its link (:func:`~megazero.plan.roofline.step_time`)."""
     m, t = cfg.model, cfg.training
-    crosses = {k: group_nodes(grid.group_of(k, rank), c.gpus_per_node) > 1 for k in ("tp", "pp", "dp_cp")}
+    crosses = {k: group_nodes(grid.group_of(k, rank), c.gpus_per_node) > 1 for k in ("tp", "cp", "pp", "dp_cp")}
     crosses["dp"] = crosses.pop("dp_cp")  # ZeRO's group: dp x cp (the dp group itself at cp 1)
     tp_el = sum(n for (g, _o, _t), n in breakdown.items() if g == "tp")
     pp_el = sum(n for (g, o, _t), n in breakdown.items() if g == "pp" and o == "send")
     grad_el = sum(n for (g, _o, tag), n in breakdown.items() if g in ZERO_GROUPS and tag == "grad")
     param_el = sum(n for (g, _o, tag), n in breakdown.items() if g in ZERO_GROUPS and tag == "param")
+    e = 4 if t.precision == "fp32" else 2
+    cp_sends = {tag: n for (g, o, tag), n in breakdown.items() if g == "cp" and o == "send"}
+    cp_coll = sum(n for (g, o, _t), n in breakdown.items() if g == "cp" and o != "send") * e
+    cp_send_bytes = sum(n * (4 if tag == "kv_grad" else e) for tag, n in cp_sends.items())
     v = cfg.parallel.virtual_stages if cfg.parallel.pp_schedule == "interleaved" else 1
     st = step_time(c=c, precision=t.precision, global_batch=t.global_batch_size, seq_len=m.seq_len,
                    num_layers=m.num_layers, hidden=m.hidden_size, vocab=m.vocab_size,
@@ -268,7 +273,9 @@ def roofline_seconds(cfg: Config, grid: RankGrid, rank: int, breakdown: dict[tup
                    tp_elements=tp_el, pp_elements=pp_el, dp_grad_elements=grad_el, dp_param_elements=param_el,
                    grad_bytes=2 if t.precision == "fp16" else 4, owned_params=0.0,
                    offload=cfg.zero.offload_optimizer is not None, tp_crosses=crosses["tp"],
-                   pp_crosses=crosses["pp"], dp_crosses=crosses["dp"], shape=flops_shape(m))
+                   pp_crosses=crosses["pp"], dp_crosses=crosses["dp"], shape=flops_shape(m), cp=grid.cp_size,
+                   cp_send_bytes=cp_send_bytes, cp_tail_bytes=4 * cp_sends.get("kv_grad", 0) / grid.cp_size,
+                   cp_collective_bytes=cp_coll, cp_crosses=crosses["cp"])
     return st.as_dict()
 
 
