@@ -6,6 +6,11 @@ import os
 
 import pytest
 
+# every test world (forked ranks and launched runs inherit it): the part of an in-place reduce-scatter's input that
+# a rank does not own reads NaN after the collective, where gloo's fast path leaves it reduced and NCCL leaves it
+# local, so code reading it fails here rather than on a GPU (megazero/distributed/group.py)
+os.environ.setdefault("MEGAZERO_POISON_REDUCE_SCATTER", "1")
+
 
 @pytest.fixture(scope="session")
 def data_cache(tmp_path_factory) -> str:

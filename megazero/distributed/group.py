@@ -8,12 +8,20 @@ records the logical volume of each call in a :class:`~megazero.distributed.ledge
 On gloo two collectives take a faster road to the same result (figures in bench/README.md, "ZeRO 0-2 at the
 peak with the default buckets"): an in-place reduce-scatter runs as an all-reduce of the input, which leaves
 this rank's shard where it belongs and the rest of the input reduced too, so callers read only their own shard
-(NCCL would leave the rest untouched); an all-gather runs as one broadcast per shard. The ledger still counts the logical reduce-scatter and
-all-gather. NCCL always runs the collectives themselves.
+(NCCL would leave the rest untouched); an all-gather runs as one broadcast per shard. The ledger still counts
+the logical reduce-scatter and all-gather. NCCL always runs the collectives themselves.
+
+Two switches keep the shortcuts honest (DESIGN.md, "gloo's shortcuts stay invisible"), read from the environment
+when a group is made and kept as attributes a harness may set: ``MEGAZERO_GLOO_FAST_PATHS=0`` (``fast_paths``)
+runs gloo's own reduce-scatter and all-gather, with NCCL's semantics; ``MEGAZERO_POISON_REDUCE_SCATTER=1``
+(``poison``, set by the test suite) fills the part of an in-place reduce-scatter's input that this rank does not
+own with NaN once the collective is waited on, so code that reads it (what gloo reduced and NCCL left local)
+fails in every test world instead of passing on gloo alone.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Hashable
 from typing import NamedTuple
 
@@ -66,6 +74,8 @@ class Group:
         self.device = _normalise_device(device if device is not None else backend_device())
         self.p2p_log: list | None = None  # when a list: every batched p2p call is appended (p2p_replay)
         self._gloo = self.size > 1 and dist.is_initialized() and dist.get_backend(process_group) == "gloo"
+        self.fast_paths = os.environ.get("MEGAZERO_GLOO_FAST_PATHS", "1") != "0"  # gloo's shortcuts (docstring)
+        self.poison = os.environ.get("MEGAZERO_POISON_REDUCE_SCATTER", "0") == "1"  # NaN where NCCL leaves local
 
     def __repr__(self) -> str:
         return f"Group({self.name!r}, ranks={self.ranks}, rank={self.rank}, device={self.device})"
@@ -101,7 +111,7 @@ class Group:
                 output.copy_(input.view_as(output))
             return _Done() if async_op else None
         self.ledger.record(self.name, "all_gather", tag, output.numel())
-        if self._gloo:  # one broadcast per shard (module docstring)
+        if self._gloo and self.fast_paths:  # one broadcast per shard (module docstring)
             n = input.numel()
             mine = output.view(-1)[self.rank * n: (self.rank + 1) * n]
             if not device_io.same_data(mine, input):
@@ -129,11 +139,17 @@ class Group:
             return _Done() if async_op else None
         self.ledger.record(self.name, "reduce_scatter", tag, input.numel())
         n = output.numel()
-        if self._gloo and input.is_contiguous() and device_io.same_data(output, input.view(-1)[self.rank * n:]):
-            # in place: all-reduce the input, this rank's shard is then where the output is (module docstring)
-            return dist.all_reduce(input, op=_reduce_op(op), group=self.process_group, async_op=async_op)
-        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return fn(output, input, op=_reduce_op(op), group=self.process_group, async_op=async_op)
+        in_place = input.is_contiguous() and device_io.same_data(output, input.view(-1)[self.rank * n:])
+        if self._gloo and self.fast_paths and in_place:
+            # all-reduce the input, this rank's shard is then where the output is (module docstring)
+            work = dist.all_reduce(input, op=_reduce_op(op), group=self.process_group, async_op=async_op)
+        else:
+            fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            work = fn(output, input, op=_reduce_op(op), group=self.process_group, async_op=async_op)
+        if not (self.poison and in_place and input.is_floating_point()):
+            return work
+        poisoned = _Poisoned(work, input.view(-1), self.rank * n, n)
+        return poisoned if async_op else poisoned.wait()
 
     def all_gather_list(self, tensor: torch.Tensor, tag: str = "other") -> list[torch.Tensor]:
         """All-gather into a list of tensors (for small, possibly unequal payloads); counts the output n."""
@@ -243,6 +259,25 @@ class _Works:
 
     def is_completed(self) -> bool:
         return all(w.is_completed() for w in self.works)
+
+
+class _Poisoned:
+    """A reduce-scatter's handle that, once waited on, fills its input outside this rank's part ``[lo, lo + n)``
+    with NaN (``Group.poison``)."""
+
+    def __init__(self, work, flat: torch.Tensor, lo: int, n: int) -> None:
+        self.work, self.flat, self.lo, self.n = work, flat, lo, n
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        if self.flat is not None:
+            self.flat[: self.lo].fill_(float("nan"))
+            self.flat[self.lo + self.n:].fill_(float("nan"))
+            self.flat = None
+
+    def is_completed(self) -> bool:
+        return self.work is None or self.work.is_completed()
 
 
 def _reduce_op(op: str) -> dist.ReduceOp:
