@@ -380,6 +380,23 @@ def test_stage3_max_reuse_distance_is_read_and_checked(tmp_path) -> None:
         ds_args(tmp_path, {"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": -1}}).resolve(1)
 
 
+def test_overlap_comm_is_on_with_cuda_and_a_flag_or_the_deepspeed_key_decides() -> None:
+    """overlap_comm resolves to on for CUDA and off for the CPU unless set; --overlap-comm/--no-overlap-comm set it
+    either way, the DeepSpeed key still does, and a flag contradicting the key is refused like any other flag."""
+    assert parse_args([]).resolve(1, "cuda").zero.overlap_comm is True
+    assert parse_args([]).resolve(1).zero.overlap_comm is False
+    assert parse_args(["--no-overlap-comm"]).resolve(1, "cuda").zero.overlap_comm is False
+    assert parse_args(["--overlap-comm"]).resolve(1).zero.overlap_comm is True
+
+
+def test_overlap_comm_from_the_deepspeed_key(tmp_path) -> None:
+    ds = {"zero_optimization": {"stage": 2, "overlap_comm": False}}
+    assert ds_args(tmp_path, ds).resolve(1, "cuda").zero.overlap_comm is False
+    assert ds_args(tmp_path, ds, "--no-overlap-comm").resolve(1, "cuda").zero.overlap_comm is False
+    with pytest.raises(ConfigError, match="--overlap-comm"):
+        ds_args(tmp_path, ds, "--overlap-comm")
+
+
 def test_supported_settings_resolve_cleanly() -> None:
     cfg = parse_args(["--precision", "bf16", "--pp-schedule", "gpipe", "--optimizer", "adam",
                       "--lr-schedule", "warmup_cosine_lr", "--global-batch-size", "64"]).resolve(2)

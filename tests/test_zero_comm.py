@@ -14,11 +14,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-import torch.distributed as dist
 
+from megazero.config.cli import parse_args
 from megazero.config.schema import ZeroConfig
 from megazero.distributed.group import Group
 from megazero.model.gpt import GPT, init_parameters
+from megazero.train.engine import Engine
 from megazero.zero import ZeroOptimizer
 from tests.dist import run_world
 from tests.test_zero import (
@@ -65,9 +66,13 @@ def _spy(group: Group, events: list, calls: dict) -> None:
 
 
 def _overlap_world(ctx) -> dict:
-    out = {}
-    # a second communicator over the DP ranks, as ParallelContext makes for stage 3's reductions
-    second = Group("dp", ctx.dp_group.ranks, dist.new_group(ctx.dp_group.ranks), ctx.ledger)
+    # ParallelContext's second communicator over the DP ranks for stage 3's reductions; the recipe hands it over
+    second = ctx.zero_reduce_group
+    cfg = parse_args(["--hidden-size", "64", "--num-heads", "4", "--seq-len", "32", "--vocab-size", "512",
+                      "--num-layers", "2", "--zero-stage", "3"]).resolve(ctx.world_size)
+    out = {"groups": (second.ranks == ctx.dp_group.ranks, second.name == ctx.dp_group.name,
+                      second.process_group is not ctx.dp_group.process_group,
+                      Engine(cfg, ctx).optimizer.store.reduce_group is second)}
     for stage in (2, 3):
         for overlap in (True, False):
             model = GPT(replace(MODEL, num_layers=4))
@@ -115,13 +120,16 @@ def test_with_overlap_no_reduction_is_waited_on_before_the_next_bucket_backward(
     most 2 reductions in flight:
     with overlap_comm each reduction issued during backward is waited on only after the next bucket's backward
     has produced a gradient (the waits inside backward are the in-flight limit's, for older buckets); without it
-    each is waited on at once. Stage 3 gathers over the DP group and reduces over the second group only."""
+    each is waited on at once. Stage 3 gathers over the DP group and reduces over the second group only: the
+    ParallelContext's ``zero_reduce_group`` (the DP ranks and ledger name, its own communicator), which the
+    recipe hands to the optimizer."""
     for rank_res in run_world(_overlap_world, 2):
         for stage in (2, 3):
             followed, early, inside = _early_waits(rank_res[(stage, True)][0])
             assert followed >= 3 and early == 0, (stage, followed, early)
             followed_off, early_off, _ = _early_waits(rank_res[(stage, False)][0])
             assert early_off == followed_off >= 3, (stage, followed_off, early_off)
+        assert rank_res["groups"] == (True, True, True, True), rank_res["groups"]
         _, gathers, reductions = rank_res[(3, True)]
         assert gathers.get(("all_gather_into", "param"), 0) > 0 and gathers.get(("reduce_scatter", "grad"), 0) == 0
         assert reductions.get(("reduce_scatter", "grad"), 0) > 0

@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_const", const="cpu")
     add(g, "--reduce-bucket-size", "zero.reduce_bucket_size", "ZeRO 0-2: elements per gradient bucket "
         "(zero_optimization.reduce_bucket_size; None: derived from the model, ZeroConfig.bucket_numel)", type=int)
+    g.add_argument("--overlap-comm", "--no-overlap-comm", dest="zero.overlap_comm", action=_OnOff,
+                   help="overlap the gradient reductions with backward (zero_optimization.overlap_comm; default: "
+                   "on with CUDA, off on CPU)")
     add(g, "--max-inflight-buckets", "zero.max_inflight_buckets", "ZeRO-2: most gradient buckets being filled or "
         "reduced at once during backward; each holds one bucket (reduce_bucket_size) in --grad-dtype", type=int)
     add(g, "--grad-dtype", "zero.grad_dtype", "dtype gradients are accumulated over micro-batches and reduced over "

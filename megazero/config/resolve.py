@@ -62,7 +62,9 @@ def resolve_config(cfg: Cfg, world_size: int, device_type: str = "cpu") -> Cfg:
     """A copy of ``cfg`` with derived sizes filled in, after validating every setting.
 
     ``device_type`` ("cpu" or "cuda") is where the ranks will compute: it picks the defaults of
-    ``training.precision`` (bf16 on CUDA, fp32 on CPU) and ``training.compile`` (on with CUDA only).
+    ``training.precision`` (bf16 on CUDA, fp32 on CPU), ``training.compile`` (on with CUDA only) and
+    ``zero.overlap_comm`` (on with CUDA, where the reductions run on NCCL streams beside backward; off on CPU,
+    where gloo's worker threads would only compete with backward for the same cores).
 
     Derives ``parallel.dp_size = world_size / (tp * cp * pp)`` when unset, the global batch (``micro * dp *
     accumulation``, accumulation 1 when unset) or the accumulation steps (``global / (micro * dp)``), and
@@ -249,7 +251,8 @@ def resolve_config(cfg: Cfg, world_size: int, device_type: str = "cpu") -> Cfg:
     _require(0.0 <= cfg.data.eval_fraction < 1.0, f"data eval_fraction must be in [0, 1), got "
              f"{cfg.data.eval_fraction}")
 
-    resolved = replace(cfg, parallel=replace(p, dp_size=dp),
+    overlap = device_type == "cuda" if z.overlap_comm is None else z.overlap_comm  # an explicit setting wins
+    resolved = replace(cfg, parallel=replace(p, dp_size=dp), zero=replace(z, overlap_comm=overlap),
                        training=replace(t, micro_batch_size=micro, global_batch_size=glob,
                                         gradient_accumulation_steps=accum),
                        scheduler=replace(s, decay_steps=decay_steps))

@@ -154,7 +154,7 @@ class ZeroConfig:
     stage: int = 0
     reduce_bucket_size: int | None = None  # None: auto (bucket_numel), else elements per gradient bucket
     allgather_bucket_size: int = 500_000_000
-    overlap_comm: bool = False
+    overlap_comm: bool | None = None  # None: on with CUDA, off on CPU (resolve_config)
     reduce_scatter: bool = True
     contiguous_gradients: bool = True
     stage3_prefetch_bucket_size: int = 50_000_000

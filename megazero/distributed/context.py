@@ -16,7 +16,9 @@ pp coordinates: the ranks that split one sample's sequence), ``dp``, ``dp_cp`` (
 hold the same weights, over which ZeRO shards when CP is on), ``pp``, model-parallel ``mp`` (tp x pp, one per
 dp and cp coordinate) and ``embedding`` (first and last pipeline stage at the same tp/cp/dp coordinates, the
 two holders of the tied word embedding). With ``cp_size = 1`` the ``dp_cp`` group is the ``dp`` group itself
-(the same object, so no second communicator and the ledger keeps naming it "dp").
+(the same object, so no second communicator and the ledger keeps naming it "dp"). ``zero_reduce`` holds the
+``dp_cp`` ranks again over a communicator of its own, for ZeRO-3's gradient reductions: on NCCL they run on their
+own stream beside the prefetch gathers; the ledger names it like its twin, so the DP volume counts both.
 """
 
 from __future__ import annotations
@@ -191,6 +193,7 @@ class ParallelContext:
         self.mp_group = groups["mp"]
         self.embedding_group: Group | None = groups.get("embedding")  # None on middle pipeline stages
         self.world_group = groups["world"]
+        self.zero_reduce_group = groups.get("zero_reduce", self.dp_cp_group)
 
     @classmethod
     def from_grid(cls, grid: RankGrid, timeout_s: float | None = None, device: torch.device | str | None = None,
@@ -230,6 +233,10 @@ class ParallelContext:
                 pg = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                 if rank in ranks:
                     groups[kind] = group_cls(kind, ranks, pg, ledger, device)
+        for ranks in sorted({tuple(r) for r in grid.dp_cp_groups()}):  # a second communicator (module docstring)
+            pg = dist.new_group(list(ranks), timeout=timeout) if len(ranks) > 1 else None
+            if rank in ranks:
+                groups["zero_reduce"] = group_cls(groups["dp_cp"].name, list(ranks), pg, ledger, device)
         groups["world"] = group_cls("world", list(range(grid.world_size)), dist.group.WORLD, ledger, device)
         return cls(grid, rank, groups, ledger)
 

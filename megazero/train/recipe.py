@@ -91,7 +91,8 @@ def wrap_for_zero(chunks: list[GPT], cfg: Config, ctx: ParallelContext, param_in
 
     Under context parallelism each CP rank's gradient covers its own tokens, so gradients are summed over DP x CP
     and ZeRO partitions over that group (Nd = dp x cp, as Megatron-Core's distributed optimizer); at cp 1
-    ``ctx.dp_cp_group`` is the DP group itself.
+    ``ctx.dp_cp_group`` is the DP group itself. Stage 3 reduces its gradients over ``ctx.zero_reduce_group`` (the
+    same ranks, a communicator of their own) while it gathers over the first.
 
     With pipelining the first and last stage each hold a copy of the tied word embedding: their gradients are
     summed over the embedding group and the last stage's copy is left out of the gradient norm (counted once).
@@ -104,7 +105,8 @@ def wrap_for_zero(chunks: list[GPT], cfg: Config, ctx: ParallelContext, param_in
         if chunk.post_process and not chunk.pre_process and tied:
             norm_counted[chunk.wte.weight] = False
     optimizer = ZeroOptimizer(
-        model, cfg.zero, cfg.optimizer, dp_group=ctx.dp_cp_group, norm_group=ctx.mp_group, norm_counted=norm_counted,
+        model, cfg.zero, cfg.optimizer, dp_group=ctx.dp_cp_group, reduce_group=ctx.zero_reduce_group,
+        norm_group=ctx.mp_group, norm_counted=norm_counted,
         precision=cfg.training.precision, loss_scale_cfg=cfg.loss_scale, tied_params=tied,
         tied_group=ctx.embedding_group if tied else None, param_init=param_init, device=device)
     return optimizer, model, tied
