@@ -60,3 +60,58 @@ def test_compile_defaults_and_refusal():
     t = parse_args([]).resolve(1, device_type="cuda").training
     assert (t.precision, t.tf32) == ("bf16", True)
     assert parse_args(["--no-tf32"]).resolve(1).training.tf32 is False
+
+
+def _graphs_and_timeouts(ctx, cache: str, log_dir: str) -> dict:
+    """Per layer count (Dynamo reset in between): unique graphs, graph breaks, the collective timeouts the loop
+    set, and the TP group's timeout after the run."""
+    import torch
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    import megazero.train.loop as loop
+    from tests.common import SMALL_FLAGS
+
+    set_timeout = loop.set_collective_timeout
+    out = {}
+    for layers in (2, 4):
+        torch._dynamo.reset()
+        counters.clear()
+        timeouts: list[float] = []
+        loop.set_collective_timeout = lambda s, groups, log=timeouts: log.append(s) or set_timeout(s, groups)
+        flags = [*SMALL_FLAGS, "--num-layers", str(layers), "--tp", "2", "--sequence-parallel", "--dropout", "0.1",
+                 "--micro-batch-size", "8", "--train-steps", "1", "--compile", "--dist-timeout", "100",
+                 "--cache-dir", cache, "--log-dir", f"{log_dir}/{layers}"]
+        loop.run_training(parse_args(flags).resolve(ctx.world_size), ctx)
+        backend = ctx.tp_group.process_group._get_backend(torch.device("cpu"))
+        out[layers] = (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()), timeouts,
+                       backend.options._timeout.total_seconds())
+    loop.set_collective_timeout = set_timeout
+    return out
+
+
+def test_graphs_do_not_grow_with_layers_and_the_first_step_waits_longer(aot_eager, data_cache, tmp_path):
+    """tp 2 + SP with dropout, 2 vs 4 compiled blocks: the same unique graphs and graph breaks (each block reuses
+    the first block's graphs; a block breaks at its TP collectives and forked-RNG regions, a bounded number); the
+    first step runs under the long collective timeout, every later one under --dist-timeout."""
+    from megazero.distributed.timeouts import FIRST_STEP_TIMEOUT_S
+
+    got = run_world(_graphs_and_timeouts, 2, data_cache, str(tmp_path), tp=2, timeout=600)[0]
+    (graphs2, breaks2, timeouts2, after2), (graphs4, breaks4, _, after4) = got[2], got[4]
+    assert 0 < graphs2 == graphs4 <= 10, got
+    assert breaks2 == breaks4 <= 20, got  # break sites in the frames of one block, traced once for all blocks
+    assert timeouts2[0] == timeouts2[1] == FIRST_STEP_TIMEOUT_S and timeouts2[-1] == 100, got
+    assert after2 == after4 == 100, got
+
+
+def test_first_step_timeout_policy_and_fallback(monkeypatch):
+    import torch.distributed as dist
+
+    from megazero.distributed.timeouts import first_step_timeout_s, set_collective_timeout
+
+    assert first_step_timeout_s(300, compile=True, device_type="cpu") == 1800
+    assert first_step_timeout_s(300, compile=False, device_type="cuda") == 1800
+    assert first_step_timeout_s(3600, compile=True, device_type="cuda") == 3600  # never shorter than configured
+    assert first_step_timeout_s(300, compile=False, device_type="cpu") == 300  # gloo, eager: nothing to wait for
+    monkeypatch.delattr(dist.distributed_c10d, "_set_pg_timeout")
+    assert set_collective_timeout(1800, []) is False  # a torch without the private setter: nothing changes

@@ -41,6 +41,65 @@ def test_pipeline_stage_outputs_are_freed_once_sent(data_cache):
     assert last == []  # the last stage sends no hidden states
 
 
+def _fed_batches(ctx, cache: str, log_dir: str) -> tuple[bool, list[bool], list[int], int]:
+    """dp 2, 3 steps, log interval 5: whether the trainer fed each step exactly the sampler's micro-batches
+    (collated synchronously here), the ``measure`` flag of each step, and the saved-activation counts."""
+    import megazero.train.loop as loop
+    from megazero.data import DistributedBatchSampler, collate
+    from tests.common import SMALL_FLAGS
+
+    fed, measured, datasets = [], [], []
+    build, step = loop.build_datasets, Engine.train_step
+
+    def capture(*a, **k):
+        datasets.append(build(*a, **k)[0])
+        return datasets[-1], None
+
+    def train_step(self, batch, measure=True):
+        fed.append([(x.clone(), y.clone()) for x, y in batch])
+        measured.append(measure)
+        return step(self, batch, measure)
+
+    loop.build_datasets, Engine.train_step = capture, train_step
+    try:
+        flags = [*SMALL_FLAGS, "--dp", "2", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-steps",
+                 "3", "--log-interval", "5", "--cache-dir", cache, "--log-dir", log_dir]
+        cfg = parse_args(flags).resolve(ctx.world_size)
+        loop.run_training(cfg, ctx)
+    finally:
+        loop.build_datasets, Engine.train_step = build, step
+    t = cfg.training
+    sampler = DistributedBatchSampler(len(datasets[0]), 8, 2, ctx.dp_rank, 2, seed=t.seed)
+    want = [[collate(datasets[0], idx) for idx in sampler.next_global_batch()] for _ in range(3)]
+    same = all(torch.equal(x, wx) and torch.equal(y, wy)
+               for got, ref in zip(fed, want, strict=True) for (x, y), (wx, wy) in zip(got, ref, strict=True))
+    return same, measured, [len(b) for b in fed], ctx.dp_rank
+
+
+def test_trainer_feeds_the_sampler_order_through_the_prefetch_loader(data_cache, tmp_path):
+    """The background loader changes where batches are built, not which: each rank trains on exactly the
+    micro-batches the sampler gives, in its order; activations are counted on logged steps only."""
+    for same, measured, sizes, _ in run_world(_fed_batches, 2, data_cache, str(tmp_path)):
+        assert same and sizes == [2, 2, 2]
+        assert measured == [True, False, True]  # steps 1 and 3 (the last) are logged at --log-interval 5
+
+
+def _unmeasured_step(ctx, cache: str) -> tuple[int, int]:
+    cfg = parse_args([*TINY, "--micro-batch-size", "2", "--global-batch-size", "2",
+                      "--cache-dir", cache]).resolve(ctx.world_size)
+    engine = Engine(cfg, ctx)
+    batch = [(torch.randint(0, 512, (2, 32)), torch.randint(0, 512, (2, 32)))]
+    engine.train_step(batch, measure=False)
+    before = engine.activation_peak_bytes
+    engine.train_step(batch)
+    return before, engine.activation_peak_bytes
+
+
+def test_unmeasured_steps_count_no_activations(data_cache):
+    (before, after), = run_world(_unmeasured_step, 1, data_cache)
+    assert before == 0 < after
+
+
 def _device_peak_vs_tracker(ctx, cache: str) -> tuple[dict, dict, int]:
     """One step measured by DevicePeak (what a --compile run on CUDA uses), with the tracker standing in for
     the allocator's peak statistics, and by the tracker itself."""

@@ -126,8 +126,9 @@ class Engine:
         r, n = self.ctx.cp_rank, self.ctx.cp_size
         return [(shard_sequence(x, r, n), shard_sequence(y, r, n)) for x, y in micro_batches]
 
-    def train_step(self, micro_batches: list[MicroBatch]) -> StepResult:
-        """One optimizer step over this DP rank's micro-batches of the global batch (whole sequences)."""
+    def train_step(self, micro_batches: list[MicroBatch], measure: bool = True) -> StepResult:
+        """One optimizer step over this DP rank's micro-batches of the global batch (whole sequences);
+        ``measure`` counts saved activations (the trainer's logged steps only: a Python call per saved tensor)."""
         micro_batches = self._cp_local(micro_batches)
         for chunk in self.chunks:
             chunk.train()
@@ -136,8 +137,9 @@ class Engine:
         tokens = self._global_tokens(micro_batches)
         sched = (self.schedule, self.ctx.pp_size, self.ctx.pp_rank, len(micro_batches), self.virtual_stages)
         stats = self.executor.run(build_schedule(*sched), micro_batches, tokens, opt.backward,
-                                  units=transfer_units(*sched))
-        self.activation_peak_bytes = max(self.activation_peak_bytes, stats.peak_activation_bytes)
+                                  units=transfer_units(*sched), measure=measure)
+        if stats.peak_activation_bytes is not None:
+            self.activation_peak_bytes = max(self.activation_peak_bytes, stats.peak_activation_bytes)
         loss_t = self._global_loss(stats.loss_sum, tokens)
         sq_norm_t = opt.prepare_step()
         # the step's one read from the device: loss, squared gradient norm and token count together

@@ -23,8 +23,11 @@ import torch
 from megazero.checkpoint import faults, load_checkpoint, save_checkpoint
 from megazero.config.schema import Config
 from megazero.data import DistributedBatchSampler, build_datasets, collate, resolve_tokenizer
+from megazero.data.loader import PrefetchLoader
 from megazero.distributed.context import ParallelContext
+from megazero.distributed.timeouts import first_step_timeout_s, process_groups, set_collective_timeout
 from megazero.generate import generate_samples, read_prompts
+from megazero.observe.device_peak import DevicePeak
 from megazero.observe.flops import flops_shape, peak_flops_per_device, throughput
 from megazero.observe.log import get_logger
 from megazero.observe.memory import PeakMemoryTracker, StepPeak, zero_buffers
@@ -147,7 +150,15 @@ def run_training(cfg: Config, ctx: ParallelContext, device: torch.device | None 
                                        cfg.data.eval_fraction)
     sampler = DistributedBatchSampler(len(train_ds), t.global_batch_size, t.micro_batch_size, ctx.dp_rank,
                                       ctx.dp_size, seed=t.seed)
+    # a long collective timeout until the first step (and first evaluation) ran: compile, NCCL's lazy set-up
+    timeout_s, first_timeout_s = cfg.parallel.dist_timeout_s, first_step_timeout_s(
+        cfg.parallel.dist_timeout_s, t.compile, (device or torch.device("cpu")).type)
+    warming = first_timeout_s > timeout_s and set_collective_timeout(first_timeout_s, process_groups())
     engine = Engine(cfg, ctx, device)
+    if warming:  # the groups the engine made too
+        set_collective_timeout(first_timeout_s, process_groups())
+        log.info("collective timeout %.0fs until the first step and evaluation ran (compile, NCCL set-up), then "
+                 "--dist-timeout %gs", first_timeout_s, timeout_s)
     n_params = sum(p.numel() for p in engine.model.parameters())
     log.info("model %s: %d layers, hidden %d, %d heads, seq %d, vocab %d (padded %d); %.2fM parameters on rank 0",
              cfg.model_preset, m.num_layers, m.hidden_size, m.num_heads, m.seq_len, m.vocab_size,
@@ -180,16 +191,26 @@ def run_training(cfg: Config, ctx: ParallelContext, device: torch.device | None 
     # the speed figures, console and metrics.jsonl alike, average the untracked steps since the last record,
     # where there are any)
     peak_tracker = PeakMemoryTracker(engine.device, lambda: zero_buffers(engine.optimizer), engine.chunks)
+    # under --compile the tracker cannot run: on CUDA the allocator's peak, split by walking tensors instead
+    device_peak = (DevicePeak(engine.device, lambda: zero_buffers(engine.optimizer),
+                              lambda: engine.activation_peak_bytes)
+                   if t.compile and engine.device.type == "cuda" else None)
+    # the next step's batch is collated (pinned on CUDA) on a thread while this one trains; same order
+    loader = PrefetchLoader(train_ds, sampler, pin_memory=engine.device.type == "cuda")
+    evaluated = False
     pace_tokens, pace_seconds = 0, 0.0
     try:
         for step in range(first, t.train_steps + 1):
             step_start = time.perf_counter()
-            batch = [collate(train_ds, idx) for idx in sampler.next_global_batch()]
+            batch = loader.next_global_batch()
             logged = step % cfg.logging.log_interval == 0 or step == 1 or step == t.train_steps
             # a dispatch mode makes Dynamo skip the compiled blocks for good: no tracker under --compile
-            tracked = logged and not t.compile
-            with peak_tracker if tracked else contextlib.nullcontext():
-                res = engine.train_step(batch)
+            tracked = logged and (not t.compile or device_peak is not None)
+            meter = (peak_tracker if not t.compile else device_peak) if tracked else contextlib.nullcontext()
+            with meter:  # saved activations are counted on logged steps only (a Python call per tensor)
+                res = engine.train_step(batch, measure=logged)
+            if warming and step == first:
+                set_collective_timeout(timeout_s, process_groups())
             faults.maybe_inject_fault("step", ctx.rank, step)
             step_seconds = time.perf_counter() - step_start
             if not tracked:
@@ -198,7 +219,12 @@ def run_training(cfg: Config, ctx: ParallelContext, device: torch.device | None 
             summary.tokens += res.tokens
             eval_loss = None
             if eval_batches and (step % t.eval_interval == 0 or step == t.train_steps):
+                if warming and not evaluated:  # the first evaluation compiles the blocks again (eval mode)
+                    set_collective_timeout(first_timeout_s, process_groups())
                 eval_loss = sum(engine.eval_loss(b) for b in eval_batches) / len(eval_batches)
+                if warming and not evaluated:
+                    set_collective_timeout(timeout_s, process_groups())
+                evaluated = True
                 engine.check_tied_embeddings()
                 summary.eval_losses.append((step, eval_loss))
             samples = None
@@ -209,7 +235,7 @@ def run_training(cfg: Config, ctx: ParallelContext, device: torch.device | None 
             if logged or samples:
                 pace = (pace_tokens, pace_seconds) if pace_seconds > 0 else (res.tokens, step_seconds)
                 record = _step_record(cfg, ctx, engine, res, pace, eval_loss,
-                                      peak_tracker.result() if tracked else None)
+                                      meter.result() if tracked else None)
                 pace_tokens, pace_seconds = 0, 0.0
                 if record is not None:
                     if samples:
@@ -237,6 +263,7 @@ def run_training(cfg: Config, ctx: ParallelContext, device: torch.device | None 
             if step == first:
                 first_done = time.perf_counter()
     finally:
+        loader.close()
         if bar is not None:
             bar.close()
         writer.close()
