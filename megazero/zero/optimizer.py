@@ -26,8 +26,9 @@ from this rank's Ψ (stage 2: a staging pool of at most Ψ/16 elements; agreed o
 copies of a tied embedding are cut alike).
 ``overlap_comm`` makes the in-backward reductions asynchronous (stages 2-3: waited on at the end of each
 backward, at most ``max_inflight_buckets`` in flight; stages 0-1: at the step); without it each completes at
-once. Stages 0-1 reduce during the last micro-batch's backward when :meth:`ZeroOptimizer.zero_grad` is told the
-number of micro-batches, else at the step.
+once; it resolves to on with CUDA and off on the CPU (``--overlap-comm``). Stages 0-1 reduce during the last
+micro-batch's backward when :meth:`ZeroOptimizer.zero_grad` is told the number of micro-batches, else at the
+step.
 ``contiguous_gradients`` is always in effect: owned gradients live in one contiguous buffer.
 
 The optimizer owns the step; the rest is delegated by role: where parameters and gradients live and the hooks
@@ -343,9 +344,10 @@ class ZeroOptimizer:
         return self.state.master_params(self.model, self._comm_device)
 
     def gathered_parameters(self) -> Iterator[None]:
-        """A context manager: inside the block every model parameter holds its whole (model-dtype) value, e.g.
-        to export or evaluate outside the training step; a collective over ``dp_group`` at stage 3, free
-        otherwise (:func:`~megazero.zero.store.gathered`)."""
+        """A context manager: inside the block every model parameter holds its whole (model-dtype) value; a
+        collective over ``dp_group`` at stage 3, free otherwise (:func:`~megazero.zero.store.gathered`). At stage
+        3 that is the whole replica at once: the engine's evaluation, export and checks never use it (forwards
+        gather block by block through the hooks, :meth:`gathered_units` walks units); tests and small models do."""
         return gathered(self.store)
 
     def gathered_units(self, params: Sequence[nn.Parameter] | None = None) -> Iterator[list[nn.Parameter]]:

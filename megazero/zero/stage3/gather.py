@@ -21,6 +21,15 @@ would exceed it is skipped, and units kept for reuse are released first when a n
 is used again by its own backward right after. It stays gathered until then unless more than
 ``stage3_max_reuse_distance`` elements of other units are gathered in between (0: release at once, and gather
 it again for its backward).
+
+**Buffers.** A block unit is gathered into a slot of the store's :class:`~megazero.zero.stage3.slots.SlotPool`
+(a chunk's own units into memory of their own, per use); a backward that has used every unit of its chunk
+drains the pool. :meth:`GatherScheduler.gather_all` (``gathered_parameters()``) allocates instead, so holding
+the whole model once never leaves the pool that large.
+
+**Outside the step.** Evaluation and sampling run the model's forward with the same hooks (no graph: nothing is
+kept for a backward) and follow the traced forward. :meth:`GatherScheduler.walk` serves export and the
+tied-embedding check: one unit at a time, the next prefetched, checked once per walk.
 """
 
 from __future__ import annotations

@@ -15,7 +15,9 @@ fp32 master copy.
   gathers the unit again before its backward runs. Hooks on the parameters' gradient accumulation copy the
   gradients into the unit's staging buffer; once all have arrived the unit is released and its staging buffer
   reduce-scattered to the owners at once (asynchronously with ``overlap_comm``, at most
-  ``max_inflight_buckets`` reductions in flight, default 2; staging buffers are reused from a pool).
+  ``max_inflight_buckets`` reductions in flight, default 2, over ``reduce_group``: on NCCL a stream apart from
+  the gathers'). Block-sized buffers (gathers, staging, converted chunks) are the persistent slots of
+  :mod:`.slots`.
   The tied embedding's gradient arrives once, after both uses.
 * **Gradient precision**: the reduction and the owned gradient are in ``grad_dtype`` (the optimizer's
   ``--grad-dtype``: fp32 when training in bf16 by default, the model dtype otherwise). Local gradients arrive
