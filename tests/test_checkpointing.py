@@ -161,26 +161,29 @@ SETTINGS = [("none", False, False), ("selective", False, False), ("selective", F
 MEM_MODEL = dict(num_layers=2, hidden_size=64, num_heads=4, seq_len=32, vocab_size=512)
 
 
+def measure_step(ctx, cfg: ModelConfig, micro: int, sp: bool, mode: str, part: bool, cpu: bool,
+                 dtype: torch.dtype = torch.float32) -> tuple[int, int, int]:
+    """(device stash, recompute transient, host bytes) of one forward/backward of ``cfg`` on this rank."""
+    model = GPT(cfg, ctx.tp_group, sequence_parallel=sp, rng_tracker=RNGTracker(0, ctx.tp_rank),
+                activation_checkpointing=ActivationCheckpointingConfig(mode, part, cpu))
+    init_parameters(model, 0, ctx.tp_group)
+    model.to(dtype)
+    counter = ActivationMemoryCounter(model)
+    ids = torch.randint(0, cfg.vocab_size, (micro, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+    with counter.track():
+        loss = model(ids, ids.roll(1, 1)).mean()
+    held = model.checkpoint_stats.host_bytes  # host copies alive between forward and backward
+    loss.backward()
+    stats = model.checkpoint_stats
+    assert stats.host_bytes == 0  # every host copy is released once its recomputation consumed it
+    return counter.last, stats.recompute_peak_bytes, held
+
+
 def _measure(ctx, dropout: float, sp: bool, micro: int) -> dict[tuple[str, bool, bool], tuple[int, int, int]]:
     """Per setting: (device stash, recompute transient, host bytes) of one forward/backward on this rank."""
     cfg = ModelConfig(**MEM_MODEL, dropout=dropout)
-    out = {}
-    for mode, part, cpu in SETTINGS:
-        if part and sp:
-            continue
-        model = GPT(cfg, ctx.tp_group, sequence_parallel=sp, rng_tracker=RNGTracker(0, ctx.tp_rank),
-                    activation_checkpointing=ActivationCheckpointingConfig(mode, part, cpu))
-        init_parameters(model, 0, ctx.tp_group)
-        counter = ActivationMemoryCounter(model)
-        ids = torch.randint(0, cfg.vocab_size, (micro, cfg.seq_len), generator=torch.Generator().manual_seed(0))
-        with counter.track():
-            loss = model(ids, ids.roll(1, 1)).mean()
-        held = model.checkpoint_stats.host_bytes  # host copies alive between forward and backward
-        loss.backward()
-        stats = model.checkpoint_stats
-        assert stats.host_bytes == 0  # every host copy is released once its recomputation consumed it
-        out[(mode, part, cpu)] = (counter.last, stats.recompute_peak_bytes, held)
-    return out
+    return {(mode, part, cpu): measure_step(ctx, cfg, micro, sp, mode, part, cpu)
+            for mode, part, cpu in SETTINGS if not (part and sp)}
 
 
 @pytest.mark.parametrize("tp, sp, micro", [(1, False, 1), (1, False, 2), (2, False, 2), (2, True, 1)])

@@ -214,7 +214,8 @@ def estimate(args: argparse.Namespace) -> str:
         notes.append(
             "activations: bytes saved for backward by one micro-batch (metrics.jsonl's activation_peak_bytes "
             "measures the same), times the micro-batches a stage holds at once (1F1B: pp - stage; GPipe: all). "
-            f"Per layer here {_size(ours, unit)} {args.units}; Korthikanti et al.'s sbh(34 + 5as/h) family gives "
+            f"Per layer here {_size(ours, unit)} {args.units} (CUDA's kernels; megazero.plan.activations); "
+            f"Korthikanti et al.'s GPT figure, sbh(34 + 5as/h), gives "
             f"{_size(paper, unit)} {args.units} (16-bit, dropout masks, unfused attention; Megatron saves the "
             "sequence shard, not the gathered input, of column-parallel layers under SP).")
     if "host" in header:

@@ -1,4 +1,4 @@
-"""Attention and dropout as a GPU runs them, with the dry run's seam on the meta device.
+"""Attention, dropout and RMSNorm as a GPU runs them, with the dry run's seam on the meta device.
 
 On a CPU or a GPU these are torch's own functions, unchanged: :func:`causal_attention` is
 ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` (on a CUDA GPU of compute capability 8.0 or newer
@@ -14,6 +14,14 @@ outputs, so autograd saves what it saves on the GPU: for attention q, k, v (view
 the fp32 log-sum-exp per query plus the kernel's RNG seed and offset, no ``S x S`` tensor; for dropout a bool
 mask. Backward runs through their meta kernels. Outside such a block (the default, ``"cpu"``) meta tensors take
 torch's own paths, as a CPU run does. The choice is kept in a :class:`contextvars.ContextVar`.
+
+RMSNorm likewise: ``F.rms_norm`` calls ``aten::_fused_rms_norm``, which has a CUDA kernel whose autograd formula
+saves the input, the weight and the fp32 ``rstd`` per token; a CPU or the meta device has none and runs its
+composite, whose autograd saves an fp32 copy of the input, the fp32 normalised input and ``rstd`` (8 bytes per
+element in any precision, against the GPU's 2 in bf16). :func:`rms_norm` on meta emulating CUDA is an autograd
+function that saves what the CUDA kernel's formula saves, its backward the op's own meta kernel
+(``_fused_rms_norm_backward``). torch takes the composite on CUDA too when the weight's dtype differs from the
+input's; so does the emulation.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from contextvars import ContextVar
 import torch
 import torch.nn.functional as F
 
-__all__ = ["FLASH_MAX_HEAD_DIM", "causal_attention", "dropout", "emulate", "emulated", "fused_kernel"]
+__all__ = ["FLASH_MAX_HEAD_DIM", "causal_attention", "dropout", "emulate", "emulated", "fused_kernel", "rms_norm"]
 
 FLASH_MAX_HEAD_DIM = 256  # FlashAttention-2's largest head dimension
 _EMULATED: ContextVar[str] = ContextVar("megazero_meta_kernels", default="cpu")
@@ -92,3 +100,32 @@ def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     if _on_gpu_meta(x) and training and 0 < p < 1:
         return torch.native_dropout(x, p, True)[0]
     return F.dropout(x, p, training)
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """``aten::_fused_rms_norm`` as CUDA's autograd runs it, for meta tensors: saves input, fp32 rstd, weight."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, shape: tuple[int, ...],
+                eps: float | None) -> torch.Tensor:
+        stats = x.shape[: x.dim() - len(shape)] + (1,) * len(shape)
+        rstd = x.new_empty(stats, dtype=torch.promote_types(x.dtype, torch.float32))  # the kernel's accumulator type
+        ctx.save_for_backward(x, rstd, weight)
+        ctx.shape = shape
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, rstd, weight = ctx.saved_tensors
+        mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1]]
+        dx, dw = torch.ops.aten._fused_rms_norm_backward(grad, x, list(ctx.shape), rstd, weight, mask)
+        return dx, dw, None, None
+
+
+def rms_norm(x: torch.Tensor, shape: tuple[int, ...], weight: torch.Tensor | None = None,
+             eps: float | None = None) -> torch.Tensor:
+    """``F.rms_norm(x, shape, weight, eps)``; on the meta device emulating CUDA, what CUDA's fused kernel saves
+    (module docstring)."""
+    if _on_gpu_meta(x) and (weight is None or weight.dtype == x.dtype):
+        return _FusedRMSNorm.apply(x, weight, tuple(shape), eps)
+    return F.rms_norm(x, shape, weight, eps)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megazero.model.kernels import rms_norm
 from megazero.tensor_parallel.layers import replicated_parameter
 
 __all__ = ["LayerNorm", "RMSNorm", "apply_rotary", "rotary_tables"]
@@ -34,7 +35,8 @@ class LayerNorm(nn.Module):
 class RMSNorm(nn.Module):
     """RMSNorm with a weight and no bias, replicated on every TP rank: ``x / rms(x) * weight``.
 
-    Normalised in fp32 and cast back before the weight is applied (``F.rms_norm``, as Hugging Face Llama)."""
+    Normalised in fp32 and cast back before the weight is applied (``F.rms_norm``, as Hugging Face Llama); the dry
+    run's meta tensors save what CUDA's fused kernel saves (:func:`megazero.model.kernels.rms_norm`)."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -42,7 +44,7 @@ class RMSNorm(nn.Module):
         self.weight = replicated_parameter((hidden_size,), "ones")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype

@@ -18,10 +18,9 @@ elements stay whole on every rank (DeepSpeed's rule, as :mod:`megazero.zero.stag
 flat buffers (under ``dp * 16`` elements per buffer) is not counted.
 
 Activations are the bytes autograd saves for backward during one micro-batch's forward, which is what
-:class:`megazero.observe.memory.ActivationMemoryCounter` measures. The count follows Korthikanti et al. (arXiv
-2205.05198), whose per-layer figure is ``sbh(34 + 5as/h)`` bytes in 16 bits with dropout and unfused
-attention, adapted to this implementation (see :func:`activation_bytes`). :func:`korthikanti_layer_bytes`
-gives the paper's figure for comparison.
+:class:`megazero.observe.memory.ActivationMemoryCounter` measures, per model family: :mod:`megazero.plan.activations`
+(:func:`activation_bytes`, :func:`recompute_bytes`, :func:`checkpoint_host_bytes`, :func:`korthikanti_layer_bytes`,
+re-exported here).
 
 The stage split (:func:`megazero.pipeline.partition.partition_layers`), the vocabulary padding
 (:class:`~megazero.tensor_parallel.layers.VocabParallelEmbedding`'s) and the gradient dtype
@@ -37,6 +36,12 @@ from dataclasses import dataclass
 from megazero.config.precision import ELEMENT_BYTES
 from megazero.config.schema import ModelConfig, ZeroConfig
 from megazero.pipeline.partition import partition_layers, stage_specs
+from megazero.plan.activations import (
+    activation_bytes,
+    checkpoint_host_bytes,
+    korthikanti_layer_bytes,
+    recompute_bytes,
+)
 from megazero.tensor_parallel.layers import VOCAB_PAD_MULTIPLE, pad_size
 from megazero.zero.grads import grad_dtype_for
 
@@ -54,9 +59,6 @@ __all__ = [
     "recompute_bytes",
     "stage_layers",
 ]
-
-_CHECKPOINTING = ("none", "selective", "full")
-
 
 def padded_vocab_size(vocab_size: int, tp_size: int, pad_multiple: int = VOCAB_PAD_MULTIPLE) -> int:
     """The vocabulary as the model lays it out: a multiple of ``pad_multiple * tp_size``."""
@@ -186,160 +188,6 @@ def model_state_bytes(numels: Sequence[int] | float, stage: int, dp_size: int, p
     return ModelStateBytes(params, grads, master, states, offloaded)
 
 
-def korthikanti_layer_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, tp_size: int = 1,
-                            sequence_parallel: bool = False, checkpointing: str = "none") -> float:
-    """Korthikanti et al.'s activation bytes of one transformer layer (16-bit, dropout, unfused attention).
-
-    ``sbh(34 + 5as/h)`` with no parallelism; ``sbh(10 + 24/t + 5as/(ht))`` with TP; ``sbh/t (34 + 5as/h)``
-    with TP and SP; selective recomputation drops the ``5as/h`` term; full recomputation keeps ``2sbh``
-    (``2sbh/t`` with SP).
-    """
-    s, b, h, a, t = seq_len, micro_batch, hidden, heads, tp_size
-    sbh = s * b * h
-    attn = 0.0 if checkpointing == "selective" else 5 * a * s / h
-    if checkpointing == "full":
-        return 2 * sbh / (t if sequence_parallel else 1)
-    if sequence_parallel and t > 1:
-        return sbh / t * (34 + attn)
-    return sbh * (10 + 24 / t + attn / t)
-
-
-@dataclass(frozen=True)
-class _LayerBytes:
-    """One transformer layer's saved bytes, split the way recomputation needs them."""
-
-    total: float  # everything one layer saves for backward without recomputation
-    core: float  # the attention core's own tensors (dropped by selective recomputation)
-    qkv: float  # q, k, v: this rank's heads (what selective recomputation keeps)
-    core_output: float  # the fused core's output, which shares storage with the projection's input
-    layer_input: float  # the layer input (what full recomputation keeps), a sequence shard with SP
-
-
-def _layer_bytes(model: ModelConfig, micro_batch: int, tp_size: int, sequence_parallel: bool, precision: str,
-                 fused_attention: bool, mask_bytes: int) -> _LayerBytes:
-    if precision not in ELEMENT_BYTES:
-        raise ValueError(f"precision must be one of {sorted(ELEMENT_BYTES)}, got {precision!r}")
-    e, t = ELEMENT_BYTES[precision], tp_size
-    s, b, h, a = model.seq_len, micro_batch, model.hidden_size, model.num_heads
-    sb, sbh = s * b, s * b * h
-    sp = t if sequence_parallel and t > 1 else 1  # residual-stream tensors are split over the sequence
-    drop = model.dropout > 0
-    if fused_attention:
-        core = 4 * a * sb / t
-    else:  # the math path copies q (scaled) and k (transposed); v too when b > 1, else v's view keeps all of qkv
-        core = e * a * s * sb / t + ((mask_bytes + e) * a * s * sb / t if drop else 0)
-        core += 2 * e * sbh / t if micro_batch == 1 else 0
-    total = (4 * e * sbh + 4 * e * sb) / sp + 12 * e * sbh / t + core + (2 * mask_bytes * sbh / sp if drop else 0)
-    return _LayerBytes(total, core, 3 * e * sbh / t, e * sbh / t if fused_attention else 0.0, e * sbh / sp)
-
-
-def _check_checkpointing(checkpointing: str) -> None:
-    if checkpointing not in _CHECKPOINTING:
-        raise ValueError(f"activation checkpointing must be one of {_CHECKPOINTING}, got {checkpointing!r}")
-
-
-def activation_bytes(model: ModelConfig, micro_batch: int, *, tp_size: int = 1, sequence_parallel: bool = False,
-                     precision: str = "bf16", checkpointing: str = "none", layers: int | None = None,
-                     first_stage: bool = True, last_stage: bool = True, fused_attention: bool = True,
-                     partition_activations: bool = False, cpu_checkpointing: bool = False,
-                     mask_bytes: int = 1) -> float:
-    """Bytes autograd saves on the device during one micro-batch's forward on one rank (``layers`` layers).
-
-    Per layer, with ``e`` bytes per element of the compute dtype and ``sbh`` = sequence x micro-batch x hidden:
-
-    * LayerNorm inputs ``2e·sbh`` and their mean/rstd ``4e·sb`` (divided by t with SP);
-    * inputs of the column-parallel layers (qkv, fc) ``2e·sbh``: replicated over TP; with SP only the sequence
-      shard is saved and gathered again in backward (as Megatron-LM does), ``2e·sbh/t``;
-    * TP-sharded tensors ``12e·sbh/t``: q, k, v (3), attention output = projection input (1), GELU input (4)
-      and the second MLP input (4) -- the paper's 24/t in 16 bits;
-    * attention core: fused (flash/efficient SDPA, no dropout in the kernel's memory) ``4·asb/t`` for the fp32
-      log-sum-exp; unfused ``e·as²b/t`` for the softmax (+ ``(m + e)·as²b/t`` for its dropout mask and output)
-      and, at micro-batch 1, ``2e·sbh/t`` more: the math path saves copies of q and k while v stays a view
-      that keeps the whole qkv buffer alive (with b > 1 v is copied too, and the copies replace q, k, v);
-    * with dropout: two masks ``2m·sbh`` (/t with SP).
-
-    ``m`` = ``mask_bytes`` is the size of a dropout-mask element: 1 where kernels keep bool masks (CUDA), the
-    compute dtype's ``e`` on CPU, whose kernels keep them as floats (and run attention with dropout unfused).
-
-    The first stage adds the token ids (and the vocab-parallel lookup's masked ids and mask), the last the
-    final LayerNorm, the LM head's input (a sequence shard with SP), the logits of this rank's vocabulary slice
-    in the compute dtype (the chunked cross-entropy keeps them for backward, no fp32 copy), its fp32
-    log-sum-exp per token and the targets.
-
-    Recomputation (:mod:`megazero.tensor_parallel.recompute`) changes what the forward saves:
-
-    * ``full`` keeps only each layer's input, ``e·sbh`` (/t with SP; /t with ``partition_activations``, which
-      splits the TP-replicated input over the TP ranks; 0 with ``cpu_checkpointing``, which holds it in host
-      memory, see :func:`checkpoint_host_bytes`);
-    * ``selective`` drops the attention core's tensors and keeps q, k, v (``3e·sbh/t``; 0 on the device with
-      ``cpu_checkpointing``).
-
-    Backward then recomputes one layer (or core) at a time; that transient is not part of this per-micro-batch
-    figure but comes once per rank on top of the stash, :func:`recompute_bytes`.
-    """
-    _check_checkpointing(checkpointing)
-    t = tp_size
-    lb = _layer_bytes(model, micro_batch, t, sequence_parallel, precision, fused_attention, mask_bytes)
-    e = ELEMENT_BYTES[precision]
-    s, b, h = model.seq_len, micro_batch, model.hidden_size
-    sb, sbh = s * b, s * b * h
-    sp = t if sequence_parallel and t > 1 else 1
-    n_layers = model.num_layers if layers is None else layers
-    drop = model.dropout > 0
-
-    if checkpointing == "none":
-        total = n_layers * lb.total
-    elif checkpointing == "selective":
-        total = n_layers * (lb.total - lb.core - (lb.qkv if cpu_checkpointing else 0))
-    else:
-        kept = 0.0 if cpu_checkpointing else lb.layer_input / (t if partition_activations and sp == 1 else 1)
-        total = n_layers * kept
-
-    if first_stage:
-        total += 8 * sb if t == 1 else 9 * sb  # ids; vocab-parallel: masked local ids + out-of-range mask
-        total += mask_bytes * sbh / sp if drop else 0
-    if last_stage:
-        v_local = padded_vocab_size(model.vocab_size, t) // t
-        total += (2 * e * sbh + 2 * e * sb) / sp  # final LayerNorm input and stats, LM-head input
-        total += e * sb * v_local  # the logits of this rank's vocabulary slice, kept by the chunked loss
-        total += 4 * sb + 8 * sb  # the loss's fp32 log-sum-exp per token; the int64 targets
-    return total
-
-
-def recompute_bytes(model: ModelConfig, micro_batch: int, *, tp_size: int = 1, sequence_parallel: bool = False,
-                    precision: str = "bf16", checkpointing: str = "none", fused_attention: bool = True,
-                    mask_bytes: int = 1) -> float:
-    """Bytes one recomputation saves for its own backward: the transient that recomputation adds, once per
-    rank, on top of the stashed micro-batches (what :class:`~megazero.tensor_parallel.recompute.CheckpointStats`
-    measures as ``recompute_peak_bytes``).
-
-    ``full``: one whole layer, its restored input included (:func:`activation_bytes` with no recomputation,
-    per layer). ``selective``: q, k, v again (views of the kept qkv), the core's tensors and, for a fused core,
-    its output, which in the recomputation is a new tensor. ``none``: 0. Counting the restored input in full
-    makes this an upper bound by ``e·sbh`` where the kept input itself is reused (no partitioning, no offload).
-    """
-    _check_checkpointing(checkpointing)
-    lb = _layer_bytes(model, micro_batch, tp_size, sequence_parallel, precision, fused_attention, mask_bytes)
-    if checkpointing == "full":
-        return lb.total
-    if checkpointing == "selective":
-        return lb.qkv + lb.core + lb.core_output
-    return 0.0
-
-
-def checkpoint_host_bytes(model: ModelConfig, micro_batch: int, *, tp_size: int = 1,
-                          sequence_parallel: bool = False, precision: str = "bf16", checkpointing: str = "none",
-                          layers: int | None = None, partition_activations: bool = False) -> float:
-    """Host bytes ``cpu_checkpointing`` holds for one micro-batch: the kept inputs of ``layers`` layers
-    (``full``: each layer's input, /t when partitioned; ``selective``: q, k, v)."""
-    _check_checkpointing(checkpointing)
-    lb = _layer_bytes(model, micro_batch, tp_size, sequence_parallel, precision, True, 1)
-    n_layers = model.num_layers if layers is None else layers
-    split = tp_size if partition_activations and not (sequence_parallel and tp_size > 1) else 1
-    kept = {"none": 0.0, "selective": lb.qkv, "full": lb.layer_input / split}[checkpointing]
-    return n_layers * kept
-
-
 def in_flight_micro_batches(pp_size: int, pp_rank: int, schedule: str = "1f1b", micro_batches: int = 1) -> int:
     """Micro-batches whose activations a pipeline stage holds at once: 1 without PP, ``pp - pp_rank`` with
     1F1B (at most ``micro_batches``), all ``micro_batches`` with GPipe."""
@@ -383,13 +231,15 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
                sequence_parallel: bool = False, micro_batches: int = 1, schedule: str = "1f1b",
                offload_optimizer: bool = False, offload_param: bool = False, host_counts: bool = False,
                persistence_threshold: int = 100_000, bucket_numel: int | None = None, overlap_comm: bool = False,
-               max_inflight: int = 2, fused_attention: bool = True, mask_bytes: int = 1) -> PeakEstimate:
+               max_inflight: int = 2, fused_attention: bool = True, mask_bytes: int = 1,
+               fused_norm: bool = True) -> PeakEstimate:
     """The peak of one training step on one rank: the larger of the peak where backward begins on the stashed
     micro-batches and the peak of the optimizer step.
 
     * model states as :func:`model_state_bytes` (offloaded ones only with ``host_counts``, e.g. on a CPU run
       where host and device are one memory);
-    * activations: :func:`activation_bytes` times :func:`in_flight_micro_batches`;
+    * activations: :func:`activation_bytes` times :func:`in_flight_micro_batches` (``fused_attention``,
+      ``mask_bytes`` and ``fused_norm`` say which kernels run, :mod:`megazero.plan.activations`);
     * communication buffers (stages 2-3, as ``megazero/zero`` holds them): the gradient staging buckets of
       stage 2 and of stage 3's persistent parameters, ``e·min(bucket, Ψ)`` per buffer: one without
       ``overlap_comm`` (each reduction completes before the next bucket opens), ``max_inflight`` with it.
@@ -429,7 +279,8 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
     layers = stage_layers(model.num_layers, pp_size)[pp_rank]
     first, last = pp_rank == 0, pp_rank == pp_size - 1
     common = dict(tp_size=tp_size, sequence_parallel=sequence_parallel, precision=precision,
-                  checkpointing=checkpointing, fused_attention=fused_attention, mask_bytes=mask_bytes)
+                  checkpointing=checkpointing, fused_attention=fused_attention, mask_bytes=mask_bytes,
+                  fused_norm=fused_norm)
     act = activation_bytes(model, micro_batch, **common, layers=len(layers), first_stage=first, last_stage=last)
     act *= in_flight_micro_batches(pp_size, pp_rank, schedule, micro_batches)
     comm = 0.0
