@@ -8,9 +8,12 @@
    (``Config.explicit``: a flag, a DeepSpeed key, or every field of an explicit ``--model``) that disagrees is
    refused, naming the field and both values. What config.json does not decide stays the run's: dropout,
    initialisation std, and Llama's ``--seq-len`` (rotary positions have no table; ``max_position_embeddings``
-   when not given). GPT-2's learned position table is a parameter, so its ``--seq-len`` is ``n_positions``:
+   when not given, or with Llama 3.1's rope scaling its ``original_max_position_embeddings``, the context it
+   was pre-trained at, as the ``llama-3.2-1b`` preset; ``max_position_embeddings`` is kept for the export).
+   GPT-2's learned position table is a parameter, so its ``--seq-len`` is ``n_positions``:
    a shorter table would drop rows and the export would not give the same tensors back. Features megazero
-   does not model (rope scaling, biases in Llama, an untied GPT-2, another activation) are refused, as is a
+   does not model (rope scaling other than ``llama3``, biases in Llama, an untied GPT-2, another activation)
+   are refused, as is a
    directory that lacks a tensor or holds one of another shape: both are read from the safetensors headers
    alone, so a bad directory fails on every rank before any process group or tensor exists.
    ``DIR``'s tokenizer (``tokenizer.json``, else ``tokenizer.model``) becomes the run's unless ``--tokenizer``
@@ -62,7 +65,12 @@ _DECIDED = {"arch": ("arch", "--arch"), "num_layers": ("num_layers", "--num-laye
             "num_kv_heads": ("kv_heads", "--num-kv-heads"), "ffn_size": ("ffn_hidden_size", "--ffn-hidden-size"),
             "vocab_size": ("vocab_size", "--vocab-size"), "layernorm_eps": ("layernorm_eps", "--norm-eps"),
             "rope_theta": ("rope_theta", "--rope-theta"), "tie_embeddings": ("tied", "--tie-embeddings"),
-            "seq_len": ("seq_len", "--seq-len")}
+            "seq_len": ("seq_len", "--seq-len"),  # rope scaling has no flags: only a preset can disagree
+            **{f: (f, "--model") for f in ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                                           "rope_original_max_positions")}}
+# Llama 3.1's rope scaling: ModelConfig field <- key of config.json's rope_scaling (rope_parameters)
+_ROPE_KEYS = {"rope_scaling_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
+              "rope_high_freq_factor": "high_freq_factor", "rope_original_max_positions": "original_max_position_embeddings"}
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -101,10 +109,9 @@ def hf_model_config(hf: dict[str, Any], where: str = "config.json",
         return ModelConfig(arch="gpt2", tie_embeddings=True, **values, **keep), {**keys, "arch": "model_type"}
     if kind != "llama":
         raise refuse("model_type", "megazero reads Hugging Face gpt2 and llama models")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise refuse("rope_parameters" if "rope_parameters" in hf else "rope_scaling",
-                     "megazero's rotary embedding has no scaling")
+    rope_key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    rope = hf.get(rope_key) or {}
+    scaling = _llama3_scaling(rope, hf.get("max_position_embeddings"), lambda why: refuse(rope_key, why))
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             raise refuse(key, "megazero's Llama has no biases")
@@ -122,12 +129,37 @@ def hf_model_config(hf: dict[str, Any], where: str = "config.json",
     values["rope_theta"] = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     values["layernorm_eps"] = hf.get("rms_norm_eps", 1e-6)
     values["tie_embeddings"] = bool(hf.get("tie_word_embeddings", False))
+    values["max_positions"] = values["seq_len"]
     if base is not None and base.seq_len is not None:
         values["seq_len"] = base.seq_len
+    elif base is not None and scaling:  # a run trains at the pre-training context unless --seq-len says otherwise
+        values["seq_len"] = scaling["rope_original_max_positions"]
     for f in ("num_layers", "hidden_size", "num_heads", "vocab_size", "ffn_size", "seq_len"):
         if not isinstance(values[f], int):
             raise refuse(keys[f], "expected an integer")
-    return ModelConfig(arch="llama", **values, **keep), {**keys, "arch": "model_type"}
+    keys.update({f: f"{rope_key}.{k}" for f, k in _ROPE_KEYS.items()})
+    return ModelConfig(arch="llama", **values, **scaling, **keep), {**keys, "arch": "model_type"}
+
+
+def _llama3_scaling(rope: dict[str, Any], max_positions: Any, refuse: Any) -> dict[str, Any]:
+    """The ModelConfig fields of config.json's rope scaling ``rope`` (empty: none); ``refuse(why)`` makes the
+    error for one megazero does not build: a type other than ``llama3`` (Llama 3.1's), or llama3 without its
+    factors. ``original_max_position_embeddings`` defaults to ``max_positions``, as in transformers."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return {}
+    if kind != "llama3":
+        raise refuse(f"megazero's rotary embedding has no {kind!r} scaling (it reads 'default' and 'llama3')")
+    try:
+        out = {f: float(rope[k]) for f, k in _ROPE_KEYS.items() if f != "rope_original_max_positions"}
+        out["rope_original_max_positions"] = int(rope.get("original_max_position_embeddings", max_positions))
+    except (KeyError, TypeError, ValueError) as e:
+        raise refuse(f"llama3 scaling needs factor, low_freq_factor and high_freq_factor ({e!r})") from e
+    if not (out["rope_scaling_factor"] >= 1 and 0 < out["rope_low_freq_factor"] < out["rope_high_freq_factor"]
+            and out["rope_original_max_positions"] > 0):
+        raise refuse("llama3 scaling needs factor >= 1, 0 < low_freq_factor < high_freq_factor and a positive "
+                     "original_max_position_embeddings")
+    return out
 
 
 class HFCheckpoint:

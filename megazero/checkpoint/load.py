@@ -48,7 +48,8 @@ __all__ = ["CheckpointReader", "load_checkpoint", "verify_checkpoint"]
 _ARCH_FLAGS = {"arch": "--arch", "num_layers": "--num-layers", "hidden_size": "--hidden-size",
                "num_heads": "--num-heads", "kv_heads": "--num-kv-heads", "ffn_hidden_size": "--ffn-hidden-size",
                "seq_len": "--seq-len", "vocab_size": "--vocab-size", "layernorm_eps": "--norm-eps",
-               "rope_theta": "--rope-theta", "tied": "--tie-embeddings"}
+               "rope_theta": "--rope-theta", "tied": "--tie-embeddings",
+               "rope_scaling": "rope scaling (--model or --init-from)"}
 
 
 def _saved_spec(rec: dict[str, Any]) -> ShardSpec:

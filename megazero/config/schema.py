@@ -43,7 +43,7 @@ class ModelConfig:
     """Architecture hyper-parameters of one model family (``arch``), a small set of choices over one block:
 
     * ``gpt2``: pre-LayerNorm, learned positions, tanh-GELU MLP of 4H, biases, tied input/output embedding;
-    * ``llama``: pre-RMSNorm, rotary positions (``rope_theta``), SwiGLU MLP, grouped-query attention
+    * ``llama``: pre-RMSNorm, rotary positions (``rope_theta``, ``rope_scaling``), SwiGLU MLP, grouped-query attention
       (``num_kv_heads``), no biases, an untied output layer unless ``tie_embeddings``.
 
     Fields left None take the family's default, read through the properties (``kv_heads``,
@@ -64,6 +64,12 @@ class ModelConfig:
     ffn_size: int | None = None  # None: 4H (gpt2), 8H/3 rounded up to a multiple of 256 (llama)
     rope_theta: float = 10000.0  # base of the rotary frequencies (llama)
     tie_embeddings: bool | None = None  # None: tied for gpt2, untied for llama
+    # Llama 3.1's rope scaling (Hugging Face rope_type "llama3"), off while the factor is None; see rope_scaling
+    rope_scaling_factor: float | None = None
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
+    max_positions: int | None = None  # llama: the longest context the model is made for (None: seq_len)
 
     @property
     def kv_heads(self) -> int:
@@ -87,6 +93,19 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    @property
+    def rope_scaling(self) -> tuple[float, float, float, int] | None:
+        """Llama 3.1's rope scaling as ``(factor, low_freq_factor, high_freq_factor, original_max_positions)``,
+        None when off: rotary wavelengths above ``original / low`` tokens are stretched ``factor`` times, those
+        below ``original / high`` kept, those between blended (:func:`megazero.model.layers.rotary_frequencies`).
+        Set by presets and ``--init-from`` (config.json's ``rope_scaling``), not by flags; ``max_positions``
+        (Hugging Face's ``max_position_embeddings``) only travels with the weights: rotary tables have no length,
+        and ``seq_len`` is what a run trains at."""
+        if self.rope_scaling_factor is None:
+            return None
+        return (self.rope_scaling_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
+                self.rope_original_max_positions)
+
     def num_parameters(self) -> int:
         """Parameters of the unpadded model, a tied embedding counted once."""
         h, v, s, n, f = self.hidden_size, self.vocab_size, self.seq_len, self.num_layers, self.ffn_hidden_size
@@ -109,11 +128,12 @@ PRESETS: dict[str, ModelConfig] = {
     # tokenizer's vocabulary
     "llama-tiny": ModelConfig(num_layers=4, hidden_size=128, num_heads=4, seq_len=128, vocab_size=1024,
                               arch="llama", num_kv_heads=2, ffn_size=384, rope_theta=500000.0),
-    # the published config.json shapes (meta-llama on Hugging Face); seq_len is the pre-training context
-    # (Llama 3.2's 128K context comes from rope scaling, which is not modelled)
+    # the published config.json shapes (meta-llama on Hugging Face); seq_len is the pre-training context (Llama
+    # 3.2's 131072 positions come from its rope scaling: factor 32 over the original 8192)
     "llama-3.2-1b": ModelConfig(num_layers=16, hidden_size=2048, num_heads=32, seq_len=8192, vocab_size=128256,
                                 arch="llama", num_kv_heads=8, ffn_size=8192, rope_theta=500000.0,
-                                tie_embeddings=True),
+                                tie_embeddings=True, rope_scaling_factor=32.0, rope_low_freq_factor=1.0,
+                                rope_high_freq_factor=4.0, rope_original_max_positions=8192, max_positions=131072),
     "llama-3-8b": ModelConfig(num_layers=32, hidden_size=4096, num_heads=32, seq_len=8192, vocab_size=128256,
                               arch="llama", num_kv_heads=8, ffn_size=14336, rope_theta=500000.0),
     "llama-3-70b": ModelConfig(num_layers=80, hidden_size=8192, num_heads=64, seq_len=8192, vocab_size=128256,

@@ -86,13 +86,18 @@ def to_hf_gpt2_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> d
 
 
 def hf_llama_config(cfg: ModelConfig, **extra: Any) -> dict[str, Any]:
-    """The ``LlamaConfig`` keyword arguments of an equivalent Hugging Face model."""
+    """The ``LlamaConfig`` keyword arguments of an equivalent Hugging Face model: ``max_position_embeddings`` is
+    ``cfg.max_positions`` (else the sequence length), and Llama 3.1's rope scaling is written as the published
+    config.json files write it, ``rope_scaling`` with ``rope_type: "llama3"``."""
+    scaling = {} if cfg.rope_scaling is None else {"rope_scaling": dict(
+        rope_type="llama3", factor=cfg.rope_scaling_factor, low_freq_factor=cfg.rope_low_freq_factor,
+        high_freq_factor=cfg.rope_high_freq_factor, original_max_position_embeddings=cfg.rope_original_max_positions)}
     return dict(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.kv_heads,
-        head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.seq_len, rms_norm_eps=cfg.layernorm_eps,
-        rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tied, attention_bias=False, mlp_bias=False,
-        attention_dropout=cfg.dropout, initializer_range=cfg.init_std, **extra,
+        head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.max_positions or cfg.seq_len,
+        rms_norm_eps=cfg.layernorm_eps, rope_theta=cfg.rope_theta, **scaling, tie_word_embeddings=cfg.tied,
+        attention_bias=False, mlp_bias=False, attention_dropout=cfg.dropout, initializer_range=cfg.init_std, **extra,
     )
 
 
