@@ -1,6 +1,8 @@
 """Tensor parallelism on a GPU's terms, checked on the CPU: the column-parallel backward issues its collective
 asynchronously and computes the weight gradient before waiting on it (Megatron-LM's
-``LinearWithGradAccumulationAndAsyncCommunication``), with parity."""
+``LinearWithGradAccumulationAndAsyncCommunication``); sequence parallelism's replicated gradients (LayerNorms,
+row-parallel biases, positions) are all-reduced over TP once per step, in one coalesced call
+(``finalize_model_grads``), however many layers and micro-batches the step has; both keep parity."""
 
 from __future__ import annotations
 
@@ -108,3 +110,30 @@ def test_sequence_collectives_copy_nothing_at_micro_batch_one():
     back = _batch_major(_rank_major(x2, 2), torch.Size((2, 4, 4)), 2)
     assert torch.equal(back, x2)
 
+
+def _sp_grad_collectives(ctx, cache: str, log_dir: str) -> dict:
+    """Per (layers, micro-batches per step): TP all-reduce calls and elements of gradients per step."""
+    from megazero.config.cli import parse_args
+    from megazero.train.loop import run_training
+    from tests.common import SMALL_FLAGS
+
+    key, out, steps = ("tp", "all_reduce", "grad"), {}, 2
+    for layers in (2, 4):
+        for micro in (1, 2):
+            flags = [*SMALL_FLAGS, "--num-layers", str(layers), "--tp", "2", "--sequence-parallel",
+                     "--micro-batch-size", str(8 // micro), "--global-batch-size", "8", "--train-steps", str(steps),
+                     "--cache-dir", cache, "--log-dir", f"{log_dir}/{layers}-{micro}"]
+            calls, elements = ctx.ledger.calls.get(key, 0), ctx.ledger.totals.get(key, 0)
+            run_training(parse_args(flags).resolve(ctx.world_size), ctx)
+            out[(layers, micro)] = ((ctx.ledger.calls[key] - calls) / steps, (ctx.ledger.totals[key] - elements) / steps)
+    return out
+
+
+def test_sequence_parallel_gradients_are_all_reduced_once_per_step(data_cache, tmp_path):
+    """tp 2 + SP, 2 vs 4 layers, 1 vs 2 micro-batches: one TP all-reduce of gradients per step, carrying every
+    replicated parameter once (2n elements: per layer two LayerNorms and two row biases, 6H; ln_f 2H; positions
+    S x H), whatever the micro-batches."""
+    H, S = 64, 32
+    for (layers, micro), (calls, elements) in run_world(_sp_grad_collectives, 2, data_cache, str(tmp_path), tp=2)[0].items():
+        assert calls == 1, (layers, micro, calls)
+        assert elements == 2 * ((6 * layers + 2) * H + S * H), (layers, micro, elements)

@@ -20,7 +20,9 @@ concatenated; ``blocks.3.mlp.fc.weight``: gate rows then up rows), see :mod:`.hf
 Shapes in comments: B batch, S sequence, H hidden, V/tp this rank's vocabulary slice, nh/tp this rank's query
 heads, nkv/tp its key/value heads, hd the head size, F the MLP width.
 With ``sequence_parallel`` the residual stream (LayerNorms, dropout, residual adds) holds [B, S/tp, H]: each TP
-rank keeps one chunk of the sequence, all-gathered on entry to a TP layer and reduce-scattered on exit.
+rank keeps one chunk of the sequence, all-gathered on entry to a TP layer and reduce-scattered on exit. The
+TP-replicated parameters (norms, row-parallel biases, positions) then get partial gradients, summed over TP once
+per step by the optimizer (:mod:`megazero.tensor_parallel.finalize`; ``finalize_grads`` without it).
 
 Activation checkpointing (``activation_checkpointing``, :mod:`megazero.tensor_parallel.recompute`):
 ``full`` keeps only each block's input and recomputes the block in backward; ``selective`` recomputes only the
@@ -134,6 +136,7 @@ class CausalSelfAttention(nn.Module):
         self.local_heads, self.local_kv_heads = cfg.num_heads // tp_size, cfg.kv_heads // tp_size
         self.head_dim = cfg.head_dim
         self.rotary_theta = cfg.rope_theta if family.rotary else None
+        self.rope_scaling = cfg.rope_scaling  # Llama 3.1's, or None
         self.dropout = cfg.dropout
         self.rng_tracker = rng_tracker
         self.recompute = recompute  # selective recomputation of the attention core
@@ -191,7 +194,7 @@ class CausalSelfAttention(nn.Module):
             else:
                 start = 0 if kv is None else kv.length
                 positions = torch.arange(start, start + q.shape[2], device=q.device)  # [S]
-            cos, sin = rotary_tables(positions, hd, self.rotary_theta, q.dtype)  # [S, hd] each
+            cos, sin = rotary_tables(positions, hd, self.rotary_theta, q.dtype, self.rope_scaling)  # [S, hd] each
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if kv is not None:
             k, v = kv.append(k, v)  # the cache holds KV heads: [B, nkv/tp, past + S, hd]
@@ -327,22 +330,6 @@ class GPT(nn.Module):
         if post_process and not cfg.tied:  # the untied output layer, vocabulary-parallel like the embedding
             self.lm_head = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_group, std=cfg.init_std,
                                                   sequence_parallel=sp)
-        if sp:
-            self._sum_replicated_grads_over_tp()
-
-    def _sum_replicated_grads_over_tp(self) -> None:
-        """Under SP, TP-replicated parameters (LayerNorms, row-parallel biases, positions) see only this rank's
-        sequence chunk, so their gradients are partial: all-reduce each one over the TP group as it is made."""
-        group = self.tp_group
-
-        def all_reduce(grad: torch.Tensor) -> torch.Tensor:
-            grad = grad.contiguous().clone()
-            group.all_reduce(grad, tag="grad")
-            return grad
-
-        for p in self.parameters():
-            if p.shard_spec.partition_dim is None:
-                p.register_hook(all_reduce)
 
     def compile_blocks(self, **options) -> None:
         """``torch.compile`` each transformer block's forward (``options`` go to ``torch.compile``).

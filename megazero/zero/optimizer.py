@@ -59,6 +59,7 @@ from megazero.config.precision import PRECISION_DTYPES
 from megazero.config.schema import LossScaleConfig, OptimizerConfig, ZeroConfig
 from megazero.distributed import device_io
 from megazero.distributed.group import Group
+from megazero.tensor_parallel.finalize import all_reduce_coalesced, sequence_parallel_grads
 from megazero.zero import accounting
 from megazero.zero.adam import ADAM_CHUNK, adam_update
 from megazero.zero.bucketed import BucketedParams, sharded_state
@@ -170,6 +171,10 @@ class ZeroOptimizer:
                                 host=self.host, device=self._comm_device)
         self._decay_runs = self.state.runs(lambda p: p.ndim >= 2)  # runs never span two segments
         self._norm_runs = self.state.runs(lambda p: self.norm_counted.get(p, True))
+        # sequence parallelism's partial gradients: summed over TP in prepare_step, one call (tensor_parallel.finalize)
+        self._sp_group, sp_params = sequence_parallel_grads(model)
+        self._sp_runs = self.state.runs(set(sp_params).__contains__)
+        self._sp_buffer: torch.Tensor | None = None
         self.scaler = make_loss_scaler(precision, loss_scale_cfg)
         self.step_count = 0
         self.skipped_steps = 0  # steps skipped for a non-finite gradient norm (fp16 overflows included)
@@ -240,7 +245,8 @@ class ZeroOptimizer:
         and the model-parallel group. Under optimizer offload ``g`` lives in host memory: the local sum is
         moved to the device so the collectives get a tensor on their group's device.
         """
-        norms = [torch.linalg.vector_norm(g.slice(a, b), dtype=torch.float32) for a, b in self._norm_runs]
+        runs = [g.slice(a, b) for a, b in self._norm_runs]  # one kernel launch for all runs (not one per run)
+        norms = torch._foreach_norm(runs, 2, dtype=torch.float32) if runs else []
         local = (torch.stack(norms).double().square().sum() if norms
                  else torch.zeros((), dtype=torch.float64, device=g.parts[0].device))
         sq = local.reshape(1).to(self._comm_device, non_blocking=True)
@@ -251,7 +257,8 @@ class ZeroOptimizer:
         return sq[0]
 
     def prepare_step(self) -> torch.Tensor:
-        """First half of :meth:`step`: reduce the gradients (and sum the tied embedding's two copies) and
+        """First half of :meth:`step`: reduce the gradients (sum the tied embedding's two copies, and under
+        sequence parallelism the partial gradients of TP-replicated parameters over TP, in one call) and
         return the global squared gradient norm (still loss-scaled under fp16) as a 0-dim fp64 device tensor.
 
         Nothing is read back to the host: the caller fetches this value together with anything else it needs
@@ -262,6 +269,9 @@ class ZeroOptimizer:
             for seg in self._tied_segments:
                 self.tied_group.all_reduce(seg.grad, tag="tied")
         self._grads = self._owned_grads()
+        if self._sp_runs:
+            self._sp_buffer = all_reduce_coalesced([self._grads.slice(a, b) for a, b in self._sp_runs],
+                                                   self._sp_group, buffer=self._sp_buffer)
         return self._global_sq_norm(self._grads)
 
     def finish_step(self, lr: float, sq_norm: float) -> StepStats:
