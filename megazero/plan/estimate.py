@@ -248,7 +248,8 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
     * transients: one layer's recomputation (:func:`recompute_bytes`) and the fresh gradient autograd makes
       before it is accumulated -- of the largest parameter (on the last stage the tied embedding, whose
       gradient the LM head's backward produces first) -- plus the gradient of the LM head's input, ``e·sbh``
-      (before the last pipeline stage: the gradient received and the output sent, ``2e·sbh``);
+      (before the last pipeline stage: the gradient received; the output sent is freed once its send
+      completes, before that gradient arrives at the start of backward: ``megazero/pipeline/executor.py``);
     * once activations are freed (stages 0-2): the states, the buffers above and three model-dtype tensors the
       size of the largest parameter. On a GPT that is the tied embedding at the end of backward: the LM head's
       weight gradient (``mm``), the lookup's (``embedding_dense_backward``) and autograd's out-of-place sum of
@@ -297,8 +298,6 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
     sp = tp_size if sequence_parallel and tp_size > 1 else 1
     # the LM head input's gradient (last stage), or the gradient received from the next stage (the others)
     transient = recompute_bytes(model, micro_batch, **common) + e * max(sizes) + e * s * micro_batch * h / sp
-    if not last:
-        transient += e * s * micro_batch * h / sp  # and the output just sent, held until the send completes
     if stage != 3:
         return PeakEstimate(states, act, comm, transient, 3 * e * max(sizes))
     blocks_act = activation_bytes(model, micro_batch, **common, layers=len(layers), first_stage=False,
