@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megazero.context_parallel import (
     CP_ATTENTION_MODES,
@@ -30,8 +31,11 @@ from tests.dist import run_world
 
 BATCH, HEADS, HEAD_DIM, CHUNK = 2, 4, 8, 3  # chunks of 3 tokens: odd, so an off-by-one offset shows
 TOL = 1e-5
-# (mode, kv heads, causal): multi-head and grouped-query (2 query heads per K/V head), one non-causal
-CASES = [(m, hkv, True) for m in CP_ATTENTION_MODES for hkv in (HEADS, HEADS // 2)] + [("ring", HEADS // 2, False)]
+# (mode, kv heads, causal, ring kernel): multi-head and grouped-query (2 query heads per K/V head), one non-causal;
+# the ring's blocks through the fused kernel and through the plain matmul path
+CASES = ([("allgather", hkv, True, "auto") for hkv in (HEADS, HEADS // 2)]
+         + [("ring", hkv, causal, kernel) for kernel in ("fused", "matmul") for hkv, causal in
+            ((HEADS, True), (HEADS // 2, True), (HEADS // 2, False))])
 
 
 # -- sharding and positions, no processes ---------------------------------------------------------------------
@@ -73,7 +77,7 @@ def _inputs(seq: int, hkv: int) -> tuple[torch.Tensor, ...]:
     return tuple(torch.randn(s, generator=gen) for s in shapes)
 
 
-def _errors(ctx, mode: str, hkv: int, causal: bool) -> float:
+def _errors(ctx, mode: str, hkv: int, causal: bool, kernel: str = "auto") -> float:
     """Largest difference of this rank's output and q/k/v gradients from full-sequence attention."""
     n, r = ctx.cp_size, ctx.cp_rank
     q, k, v, dout = (t.requires_grad_(i < 3) for i, t in enumerate(_inputs(2 * n * CHUNK, hkv)))
@@ -86,7 +90,7 @@ def _errors(ctx, mode: str, hkv: int, causal: bool) -> float:
         return shard_sequence(t[:, ctx.tp_rank * h: (ctx.tp_rank + 1) * h], r, n, seq_dim=2).detach()
 
     local = [mine(t, h).requires_grad_() for t, h in ((q, tq), (k, tkv), (v, tkv))]
-    out = context_parallel_attention(*local, ctx.cp_group, mode=mode, causal=causal)
+    out = context_parallel_attention(*local, ctx.cp_group, mode=mode, causal=causal, kernel=kernel)
     out.backward(mine(dout, tq))
     pairs = [(out, mine(ref, tq))] + [(a.grad, mine(t.grad, h)) for a, t, h in zip(local, (q, k, v), (tq, tkv, tkv))]
     return max((a - b).abs().max().item() for a, b in pairs)
@@ -97,10 +101,37 @@ def _broken_merge(out, lse, block_out, block_lse):
     lse.copy_(torch.logaddexp(lse, block_lse))
 
 
+class _OpLog(TorchDispatchMode):
+    """Every aten op run inside, with its tensor outputs' shapes and dtypes (what the block kernels create)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, list[tuple[tuple[int, ...], torch.dtype]]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        flat = out if isinstance(out, (tuple, list)) else [out]
+        self.ops.append((str(func.overloadpacket), [(tuple(t.shape), t.dtype) for t in flat
+                                                    if isinstance(t, torch.Tensor)]))
+        return out
+
+
+def _kernel_trace(ctx, kernel: str) -> dict:
+    """What one GQA ring forward + backward creates: fused-kernel calls, boolean tensors, chunk x chunk blocks."""
+    with _OpLog() as log:
+        err = _errors(ctx, "ring", HEADS // 2, True, kernel)
+    outputs = [o for _, outs in log.ops for o in outs]
+    return {"error": err, "fused_calls": sum("_scaled_dot_product_flash_attention_for_cpu" in n for n, _ in log.ops),
+            "bool_tensors": sum(dtype == torch.bool for _, dtype in outputs),
+            "score_blocks": sum(len(shape) >= 2 and shape[-2:] == (CHUNK, CHUNK) for shape, _ in outputs)}
+
+
 def _world(ctx):
     from megazero.context_parallel import ring
 
     res = {"cp_ranks": ctx.cp_group.ranks, "errors": {c: _errors(ctx, *c) for c in CASES}}
+    res["traces"] = {kernel: _kernel_trace(ctx, kernel) for kernel in ("auto", "matmul")}
+    res["auto_kernel"] = ring.block_kernel(torch.zeros(1, 1, 2, HEAD_DIM))
     n, r, seq = ctx.cp_size, ctx.cp_rank, 2 * ctx.cp_size * CHUNK
     x = torch.arange(2.0 * seq).view(2, seq) + 100 * ctx.tp_rank
     res["gathered"] = torch.equal(gather_sequence(shard_sequence(x, r, n), ctx.cp_group), x)
@@ -119,7 +150,8 @@ def _world(ctx):
                             ("merge", "_merge", _broken_merge)):
         good, _ = getattr(ring, attr), setattr(ring, attr, bad)
         try:
-            res[f"broken_{name}"] = _errors(ctx, "ring", HEADS // 2, True)
+            for kernel in ("fused", "matmul"):
+                res[f"broken_{name}_{kernel}"] = _errors(ctx, "ring", HEADS // 2, True, kernel)
         finally:
             setattr(ring, attr, good)
     return res
@@ -141,8 +173,17 @@ def test_attention_over_a_split_sequence_equals_full_attention(name):
         assert res["ring_error"] < TOL and res["gathered"]
         cp_rank = grid.position(rank).cp_rank
         assert res["positions"] == local_positions(2 * cp * CHUNK, cp_rank, cp).tolist()
-        # the broken ring must miss by far more than the tolerance
-        assert res["broken_offset"] > 1e-2 and res["broken_merge"] > 1e-2, (res["broken_offset"], res["broken_merge"])
+        # the broken ring must miss by far more than the tolerance, on either kernel
+        broken = {key: val for key, val in res.items() if key.startswith("broken_")}
+        assert len(broken) == 4 and min(broken.values()) > 1e-2, broken
+        # torch 2.13's CPU has the fused op with log-sum-exp: the default ring calls it for every block and builds
+        # neither a boolean mask nor a chunk x chunk score block; the matmul path (the negative control) builds both
+        fused, plain = res["traces"]["auto"], res["traces"]["matmul"]
+        assert res["auto_kernel"] == "cpu" and fused["error"] < TOL and plain["error"] < TOL
+        blocks = 3 + 2 * (cp - 1)  # per rank: 3 blocks at step 0, 2 at each later step, forward and backward
+        reference = 2  # the reference's own SDPA forward and backward (torch's CPU dispatch picks the same op)
+        assert fused["fused_calls"] == 2 * blocks + reference and fused["bool_tensors"] == fused["score_blocks"] == 0, fused
+        assert plain["fused_calls"] == reference and plain["bool_tensors"] > 0 and plain["score_blocks"] > 0, plain
         # ledger: K/V (BATCH x 2 heads x 2 chunks x HEAD_DIM each) go round cp - 1 hops forward and again
         # backward; dK/dV take cp hops in the backward
         kv = 2 * BATCH * (HEADS // 2 // tp) * 2 * CHUNK * HEAD_DIM

@@ -33,10 +33,12 @@ CP_ATTENTION_MODES = ("ring", "allgather")
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: Group, *,
-                               mode: str = "ring", causal: bool = True, scale: float | None = None) -> torch.Tensor:
-    """This rank's rows of attention over the sequence split across ``cp_group`` (module docstring)."""
+                               mode: str = "ring", causal: bool = True, scale: float | None = None,
+                               kernel: str = "auto") -> torch.Tensor:
+    """This rank's rows of attention over the sequence split across ``cp_group`` (module docstring); ``kernel``
+    selects the ring's block kernel (:func:`~megazero.context_parallel.ring.ring_attention`)."""
     if mode == "ring":
-        return ring_attention(q, k, v, cp_group, causal=causal, scale=scale)
+        return ring_attention(q, k, v, cp_group, causal=causal, scale=scale, kernel=kernel)
     if mode == "allgather":
         return allgather_attention(q, k, v, cp_group, causal=causal, scale=scale)
     raise ValueError(f"unknown context-parallel attention mode {mode!r}; expected one of {CP_ATTENTION_MODES}")
