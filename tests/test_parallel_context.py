@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megazero.distributed.context import GROUP_KINDS, RankGrid, TopologyError
+from megazero.distributed.context import GROUP_KINDS, ParallelContext, RankGrid, TopologyError, node_split
 from megazero.distributed.launch import _first_slurm_host, detect_env
 from megazero.distributed.ledger import CommLedger
 from tests.dist import WorldError, run_world
@@ -205,3 +205,71 @@ def test_collective_timeout_turns_a_missing_peer_into_an_error():
     # an error, not a completion once the peer wakes at 7 s; no lower bound on wall time (shared machines),
     # an upper bound of 3x the 2 s timeout it checks
     assert status == "error" and seconds < 3 * 2, res[0]
+
+
+def test_node_split_groups_and_errors():
+    # dp 8 over 2 nodes of 4: intra = each node's ranks, inter = equal positions, hpz blocks of 2
+    intra, inter, hpz = node_split(list(range(8)), 4, 2)
+    assert intra == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert inter == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert hpz == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    # tp 2 x dp 4 on nodes of 4: the DP group of tp rank 1 holds 2 ranks per node
+    assert node_split([1, 3, 5, 7], 4) == ([[1, 3], [5, 7]], [[1, 5], [3, 7]], [[1], [3], [5], [7]])
+    # tp 8 across nodes of 4: every DP member on its own node
+    assert node_split([0, 8], 4)[:2] == ([[0], [8]], [[0, 8]])
+    with pytest.raises(TopologyError, match=r"--zero-hpz-partition-size 3 does not divide the 4 ZeRO"):
+        node_split(list(range(8)), 4, 3)
+    with pytest.raises(TopologyError, match=r"holds \[2, 1\] ranks on its nodes"):
+        node_split([0, 1, 2], 2)
+
+
+def test_ledger_counts_bytes_by_link_and_node_share():
+    led = CommLedger(ranks_per_node=4, rank=1)
+    led.record("dp", "all_gather", "param", 100, 200, ranks=list(range(8)))  # spans nodes: inter, share 200/4
+    led.record("dp.intra", "all_gather", "param", 100, 200, ranks=[0, 1, 2, 3])  # inside node 0
+    led.record("dp.inter", "all_to_all", "grad", 10, 5, ranks=[1, 5])  # one member per node: share 5
+    led.record("dp", "all_reduce", "loss", 2, 8, ranks=list(range(8)))
+    led.mark_step()
+    assert led.link_bytes_last_step(("grad", "param")) == {"intra": 200, "inter": 205}
+    assert led.link_bytes_last_step() == {"intra": 200, "inter": 213}
+    assert led.node_share_last_step(("grad", "param")) == 200 / 4 + 5
+    assert led.dp_volume_last_step() == 210  # the node subgroups count as the ZeRO group
+    assert led.link_breakdown_last_step()["dp.inter/all_to_all/grad/inter"] == 5
+    one_node = CommLedger()  # no node size: everything is intra-node
+    one_node.record("dp", "all_gather", "param", 4, 8, ranks=[0, 1])
+    one_node.mark_step()
+    assert one_node.link_bytes_last_step() == {"intra": 8, "inter": 0}
+
+
+def _node_groups(ctx):
+    a = ctx.configure_nodes(2, 2)  # dp 4 on 2 nodes of 2
+    again = ctx.configure_nodes(2, 2)
+    out = {"same": again is a, "hpz_is_intra": a.hpz is a.intra, "ranks": (a.intra.ranks, a.inter.ranks),
+           "names": (a.intra.name, a.inter.name), "attached": ctx.dp_group.nodes is a}
+    x = torch.ones(2)
+    a.inter.all_reduce(x, tag="grad")
+    ctx.ledger.mark_step()
+    out["bytes"] = ctx.ledger.link_bytes_last_step()
+    one = ctx.configure_nodes(4)  # one node: intra is the DP group itself, no new communicator
+    out["one_node"] = (one.intra is ctx.dp_group, one.inter.size, one.hpz.size)
+    sub = ParallelContext.from_grid(RankGrid.from_world(4, tp_size=2))  # dp 2, one DP rank per node of 2
+    nodes = sub.configure_nodes(2)
+    out["tp2"] = (nodes.inter is sub.dp_group, nodes.intra.size)
+    try:
+        ctx.configure_nodes(3)
+    except TopologyError as e:
+        out["error"] = str(e)
+    return out
+
+
+def test_configure_nodes_splits_the_zero_group_once():
+    res = run_world(_node_groups, 4)
+    for rank, r in enumerate(res):
+        assert r["same"] and r["hpz_is_intra"] and r["attached"]
+        node = rank // 2
+        assert r["ranks"] == ([2 * node, 2 * node + 1], [rank % 2, rank % 2 + 2])
+        assert r["names"] == ("dp.intra", "dp.inter")
+        assert r["bytes"] == {"intra": 0, "inter": 2 * 2 * 4}  # all-reduce of 2 fp32: 2n elements, 4 bytes each
+        assert r["one_node"] == (True, 1, 1)
+        assert r["tp2"] == (True, 1)
+        assert "--ranks-per-node 3 does not divide the world size 4" in r["error"]

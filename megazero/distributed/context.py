@@ -19,11 +19,21 @@ two holders of the tied word embedding). With ``cp_size = 1`` the ``dp_cp`` grou
 (the same object, so no second communicator and the ledger keeps naming it "dp"). ``zero_reduce`` holds the
 ``dp_cp`` ranks again over a communicator of its own, for ZeRO-3's gradient reductions: on NCCL they run on their
 own stream beside the prefetch gathers; the ledger names it like its twin, so the DP volume counts both.
+
+**Nodes.** Nodes are blocks of ``ranks_per_node`` consecutive global ranks: torchrun's ``LOCAL_WORLD_SIZE`` by
+default (one node without it), or ``--ranks-per-node N`` to simulate nodes on one machine.
+:meth:`ParallelContext.configure_nodes` splits the ZeRO (dp x cp) group into ``<name>.intra`` (its members on
+this rank's node), ``<name>.inter`` (the members with this rank's position on every node) and, for hpZ,
+``<name>.hpz`` (blocks of ``hpz_size`` consecutive intra-node members); a subgroup with the ranks of one already
+made is that group (one node: intra is the ZeRO group; hpz of the node's size: intra), so no communicator is
+built twice, and repeated calls with the same sizes return the same groups. The ledger learns the node size and
+counts bytes per link (:mod:`megazero.distributed.ledger`).
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -33,7 +43,7 @@ import torch.distributed as dist
 from megazero.distributed.group import Group, backend_device
 from megazero.distributed.ledger import CommLedger
 
-__all__ = ["GridPosition", "ParallelContext", "RankGrid", "TopologyError"]
+__all__ = ["GridPosition", "NodeGroups", "ParallelContext", "RankGrid", "TopologyError", "node_split"]
 
 
 class TopologyError(ValueError):
@@ -161,6 +171,46 @@ class RankGrid:
         raise TopologyError(f"rank {rank} is in no {kind} group")  # pragma: no cover - grid covers all
 
 
+def node_split(ranks: list[int], ranks_per_node: int, hpz_size: int = 1
+               ) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """Split one group's sorted global ``ranks`` by node (blocks of ``ranks_per_node`` consecutive ranks):
+    ``(intra, inter, hpz)`` groups, each a list of sorted rank lists. ``intra``: the members on each node;
+    ``inter``: the members at the same position on every node; ``hpz``: each intra group cut into blocks of
+    ``hpz_size``. Every node must hold the same number of members, and ``hpz_size`` must divide it."""
+    by_node: dict[int, list[int]] = {}
+    for r in sorted(ranks):
+        by_node.setdefault(r // ranks_per_node, []).append(r)
+    intra = list(by_node.values())
+    local = len(intra[0])
+    if any(len(g) != local for g in intra):
+        raise TopologyError(
+            f"the ZeRO group {sorted(ranks)} holds {[len(g) for g in intra]} ranks on its nodes of "
+            f"--ranks-per-node {ranks_per_node}; choose a node size whose nodes hold equal parts of every group "
+            "(a multiple of tp x cp, or a divisor of it)")
+    if hpz_size < 1 or local % hpz_size:
+        raise TopologyError(
+            f"--zero-hpz-partition-size {hpz_size} does not divide the {local} ZeRO (dp x cp) ranks per node "
+            f"(--ranks-per-node {ranks_per_node} / (tp x cp)); use a divisor of {local}")
+    inter = [[g[i] for g in intra] for i in range(local)]
+    hpz = [g[i: i + hpz_size] for g in intra for i in range(0, local, hpz_size)]
+    return intra, inter, hpz
+
+
+@dataclass(frozen=True)
+class NodeGroups:
+    """This rank's node subgroups of the ZeRO group (:meth:`ParallelContext.configure_nodes`)."""
+
+    ranks_per_node: int
+    intra: Group  # the ZeRO group's members on this node
+    inter: Group  # the members at this rank's position on every node (one per node)
+    hpz: Group  # hpZ's secondary partition group: ``hpz_size`` members of this node (intra itself when equal)
+
+    @property
+    def nodes(self) -> int:
+        """Nodes the ZeRO group spans."""
+        return self.inter.size
+
+
 def _product(sizes: list[int]) -> list[tuple[int, ...]]:
     """Every index tuple of a grid with these sizes, the last index fastest."""
     out: list[tuple[int, ...]] = [()]
@@ -194,6 +244,12 @@ class ParallelContext:
         self.embedding_group: Group | None = groups.get("embedding")  # None on middle pipeline stages
         self.world_group = groups["world"]
         self.zero_reduce_group = groups.get("zero_reduce", self.dp_cp_group)
+        self._timeout: datetime.timedelta | None = None
+        self._group_cls: type[Group] = Group
+        self._node_groups: dict[tuple[int, int], NodeGroups] = {}
+        self._built: set[tuple[int, ...]] = set()
+        self.ranks_per_node = ledger.ranks_per_node or grid.world_size
+        ledger.rank = rank
 
     @classmethod
     def from_grid(cls, grid: RankGrid, timeout_s: float | None = None, device: torch.device | str | None = None,
@@ -216,7 +272,10 @@ class ParallelContext:
             )
         rank = dist.get_rank()
         timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
-        ledger = CommLedger()
+        ledger = CommLedger(rank=rank)
+        local = os.environ.get("LOCAL_WORLD_SIZE")  # torchrun's ranks on this node
+        if local and int(local) < grid.world_size and grid.world_size % int(local) == 0:
+            ledger.ranks_per_node = int(local)
         device = torch.device(device) if device is not None else backend_device()
         groups: dict[str, Group] = {}
         for kind in GROUP_KINDS:
@@ -238,7 +297,51 @@ class ParallelContext:
             if rank in ranks:
                 groups["zero_reduce"] = group_cls(groups["dp_cp"].name, list(ranks), pg, ledger, device)
         groups["world"] = group_cls("world", list(range(grid.world_size)), dist.group.WORLD, ledger, device)
-        return cls(grid, rank, groups, ledger)
+        ctx = cls(grid, rank, groups, ledger)
+        ctx._timeout, ctx._group_cls = timeout, group_cls
+        return ctx
+
+    def configure_nodes(self, ranks_per_node: int | None = None, hpz_size: int = 1) -> NodeGroups:
+        """Set the node size (None: torchrun's ``LOCAL_WORLD_SIZE``, else the one this context has) and return
+        this rank's node subgroups of the ZeRO (dp x cp) group (module docstring). A collective call: every
+        rank calls it with the same sizes; the groups of a pair of sizes are made once."""
+        rpn = ranks_per_node or self.ranks_per_node
+        if rpn < 1 or self.grid.world_size % rpn:
+            raise TopologyError(f"--ranks-per-node {rpn} does not divide the world size {self.grid.world_size}; "
+                                "launch whole nodes or change --ranks-per-node")
+        self.ranks_per_node = rpn
+        self.ledger.ranks_per_node = rpn if rpn < self.grid.world_size else None
+        key = (rpn, hpz_size)
+        if key in self._node_groups:
+            self.dp_cp_group.nodes = self.zero_reduce_group.nodes = self._node_groups[key]
+            return self._node_groups[key]
+        zero = self.dp_cp_group
+        made: dict[tuple[int, ...], Group] = {tuple(zero.ranks): zero}  # this rank's groups by their ranks
+        for old in self._node_groups.values():
+            made.update({tuple(g.ranks): g for g in (old.intra, old.inter, old.hpz)})
+        built = self._built  # every rank tuple with a communicator: the same set on every rank
+        built.update(tuple(r) for r in self.grid.dp_cp_groups())
+        mine: dict[str, Group] = {}
+        split = [node_split(r, rpn, hpz_size) for r in sorted({tuple(r) for r in self.grid.dp_cp_groups()})]
+        for i, kind in enumerate(("intra", "inter", "hpz")):
+            for ranks in (tuple(r) for parts in split for r in parts[i]):
+                here = self.rank in ranks
+                if ranks not in built and len(ranks) > 1:  # new_group is collective over the whole world
+                    pg = dist.new_group(list(ranks), timeout=self._timeout)
+                    built.add(ranks)
+                    if here:
+                        made[ranks] = self._group_cls(f"{zero.name}.{kind}", list(ranks), pg, self.ledger,
+                                                      zero.device)
+                elif here and ranks not in made:  # a group of one: no communicator
+                    made[ranks] = self._group_cls(f"{zero.name}.{kind}", list(ranks), None, self.ledger,
+                                                  zero.device)
+                if here:
+                    mine[kind] = made[ranks]
+        groups = NodeGroups(rpn, mine["intra"], mine["inter"], mine["hpz"])
+        self._node_groups[key] = groups
+        for zero_group in {id(g): g for g in (zero, self.zero_reduce_group)}.values():
+            zero_group.nodes = groups  # what stage 3 and qgZ read (megazero.zero.stage3.hpz, megazero.zero.qgz)
+        return groups
 
     # -- convenience ------------------------------------------------------------------------------------
     @property

@@ -72,6 +72,7 @@ class Group:
         global_rank = dist.get_rank() if dist.is_initialized() else self.ranks[0]
         self.rank = self.ranks.index(global_rank) if global_rank in self.ranks else -1
         self.device = _normalise_device(device if device is not None else backend_device())
+        self.nodes = None  # the ZeRO group's node subgroups (ParallelContext.configure_nodes), else None
         self.p2p_log: list | None = None  # when a list: every batched p2p call is appended (p2p_replay)
         self._gloo = self.size > 1 and dist.is_initialized() and dist.get_backend(process_group) == "gloo"
         self.fast_paths = os.environ.get("MEGAZERO_GLOO_FAST_PATHS", "1") != "0"  # gloo's shortcuts (docstring)
@@ -93,12 +94,16 @@ class Group:
                     f"(group.device) or move it there with .to(group.device)")
 
     # -- collectives -------------------------------------------------------------------------------------
+    def _record(self, op: str, tag: str, tensor: torch.Tensor, elements: int) -> None:
+        """Count a call in the ledger: ``elements`` of ``tensor``'s dtype, over this group's ranks (its link)."""
+        self.ledger.record(self.name, op, tag, elements, elements * tensor.element_size(), self.ranks)
+
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", tag: str = "other", async_op: bool = False):
         """In-place all-reduce; counts 2n."""
         self.check_device("all_reduce", tag, tensor)
         if self.size == 1:
             return _Done() if async_op else None
-        self.ledger.record(self.name, "all_reduce", tag, 2 * tensor.numel())
+        self._record("all_reduce", tag, tensor, 2 * tensor.numel())
         return dist.all_reduce(tensor, op=_reduce_op(op), group=self.process_group, async_op=async_op)
 
     def all_gather_into(
@@ -110,7 +115,7 @@ class Group:
             if not device_io.same_data(output, input):
                 output.copy_(input.view_as(output))
             return _Done() if async_op else None
-        self.ledger.record(self.name, "all_gather", tag, output.numel())
+        self._record("all_gather", tag, output, output.numel())
         if self._gloo and self.fast_paths:  # one broadcast per shard (module docstring)
             n = input.numel()
             mine = output.view(-1)[self.rank * n: (self.rank + 1) * n]
@@ -137,7 +142,7 @@ class Group:
             if not device_io.same_data(output, input):
                 output.copy_(input.view_as(output))
             return _Done() if async_op else None
-        self.ledger.record(self.name, "reduce_scatter", tag, input.numel())
+        self._record("reduce_scatter", tag, input, input.numel())
         n = output.numel()
         in_place = input.is_contiguous() and device_io.same_data(output, input.view(-1)[self.rank * n:])
         if self._gloo and self.fast_paths and in_place:
@@ -151,13 +156,24 @@ class Group:
         poisoned = _Poisoned(work, input.view(-1), self.rank * n, n)
         return poisoned if async_op else poisoned.wait()
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, tag: str = "other") -> None:
+        """Send the ``r``-th of ``size`` equal row-blocks of ``input`` to group rank ``r``; block ``r`` of
+        ``output`` is what rank ``r`` sent here (blocking). Counts the input n (in its bytes)."""
+        self.check_device("all_to_all", tag, output, input)
+        if self.size == 1:
+            if not device_io.same_data(output, input):
+                output.copy_(input.view_as(output))
+            return
+        self._record("all_to_all", tag, input, input.numel())
+        dist.all_to_all_single(output, input, group=self.process_group)
+
     def all_gather_list(self, tensor: torch.Tensor, tag: str = "other") -> list[torch.Tensor]:
         """All-gather into a list of tensors (for small, possibly unequal payloads); counts the output n."""
         self.check_device("all_gather_list", tag, tensor)
         if self.size == 1:
             return [tensor]
         outs = [torch.empty_like(tensor) for _ in range(self.size)]
-        self.ledger.record(self.name, "all_gather", tag, tensor.numel() * self.size)
+        self._record("all_gather", tag, tensor, tensor.numel() * self.size)
         dist.all_gather(outs, tensor, group=self.process_group)
         return outs
 
@@ -166,7 +182,7 @@ class Group:
         self.check_device("broadcast", tag, tensor)
         if self.size == 1:
             return
-        self.ledger.record(self.name, "broadcast", tag, tensor.numel())
+        self._record("broadcast", tag, tensor, tensor.numel())
         dist.broadcast(tensor, src=self.ranks[src], group=self.process_group)
 
     def batch_p2p(self, ops: list[P2P], tag: str = "act") -> list:
@@ -187,7 +203,7 @@ class Group:
             raise RuntimeError(f"point-to-point {ops[0][0]} on the {self.name!r} group of size 1 has no peer")
         for kind, tensor, _peer, _msg_tag in ops:
             if kind == "send":
-                self.ledger.record(self.name, "send", tag, tensor.numel())
+                self._record("send", tag, tensor, tensor.numel())
         return self._issue_p2p(ops)
 
     def _issue_p2p(self, ops: list[P2P]) -> list:
