@@ -124,9 +124,12 @@ def _eval_mode(chunks: list[GPT]) -> Iterator[None]:
 
 @torch.no_grad()
 def generate_ids(chunks: GPT | list[GPT], prompt: list[int], cfg: SamplingConfig, pp_group: Group | None = None,
-                 use_cache: bool = True, eos_id: int | None = None) -> list[int]:
+                 use_cache: bool = True, eos_id: int | None = None, vocab_size: int | None = None) -> list[int]:
     """New token ids after ``prompt`` (one sequence). Collective over this replica's TP and PP groups: every
     rank of the replica calls it with the same arguments and gets the same tokens.
+
+    ``vocab_size``: the tokenizer's entries; logits of the embedding rows beyond them (a checkpoint that pads its
+    vocabulary, as Qwen2 and Pythia do) are never sampled, greedy or not. None: every row of the model.
 
     ``chunks``: this rank's model chunks in order (one :class:`GPT` holding every layer without pipelining).
     Without ``use_cache`` every step runs the whole sequence again through the training forward (a reference
@@ -154,7 +157,7 @@ def generate_ids(chunks: GPT | list[GPT], prompt: list[int], cfg: SamplingConfig
             logits = _pipeline_forward(chunks, ids, cache, pp_group)
             token = torch.zeros(1, dtype=torch.long, device=device)
             if logits is not None:
-                token = sample_next(logits[:, -1], cfg, generator)
+                token = sample_next(logits[:, -1, :vocab_size], cfg, generator)
             if tp_group is not None:
                 tp_group.broadcast(token, src=0, tag="other")
             if pp_group is not None:
@@ -186,7 +189,7 @@ def generate_samples(engine: Any, tokenizer: Any, prompts: list[str], max_new_to
     for prompt in prompts:  # ZeRO-3: the model's own hooks gather block by block (module docstring)
         ids = tokenizer.encode(prompt)[-(seq_len - n_new):] or [tokenizer.eos_id]
         new = generate_ids(engine.chunks, ids, SamplingConfig(n_new, temperature=0), engine.ctx.pp_group,
-                           eos_id=tokenizer.eos_id)
+                           eos_id=tokenizer.eos_id, vocab_size=tokenizer.vocab_size)
         out.append({"prompt": prompt, "text": tokenizer.decode(new), "ids": new})
     return out
 
@@ -231,8 +234,9 @@ def load_tokenizer(path: str | os.PathLike, override: str | None = None) -> Any:
     """The tokenizer of a checkpoint or export directory: ``override``, the checkpoint's copy, else the one saved
     beside an export (each through :func:`megazero.data.open_tokenizer`: SentencePiece or a Hugging Face
     ``tokenizer.json``; a directory with only ``transformers``' own files through ``AutoTokenizer``). Has
-    ``encode``, ``decode`` and ``eos_id``. A tokenizer whose vocabulary is not the model's is refused, naming
-    both."""
+    ``encode``, ``decode``, ``eos_id`` and ``vocab_size``. A tokenizer with more entries than the model has
+    embedding rows is refused, naming both; one with fewer is the padded vocabulary of a published checkpoint
+    (Qwen2, Pythia), whose extra rows :func:`generate_ids` never samples."""
     from megazero.checkpoint import CheckpointReader, find_checkpoint
     from megazero.data import open_tokenizer
 
@@ -253,7 +257,7 @@ def load_tokenizer(path: str | os.PathLike, override: str | None = None) -> Any:
     if tok is None:
         raise ValueError(f"{path} holds no tokenizer (tokenizer.model or tokenizer.json); pass --tokenizer PATH")
     vocab = _model_vocab(path, step_dir)
-    if vocab is not None and tok.vocab_size != vocab:
+    if vocab is not None and tok.vocab_size > vocab:
         raise ValueError(f"tokenizer {getattr(tok, 'model_path', override or path)} has {tok.vocab_size} tokens, "
                          f"but the model in {path} has a vocabulary of {vocab}; pass the model's own tokenizer")
     return tok

@@ -8,7 +8,8 @@
 Runs under torchrun, SLURM (srun) or as a plain process. Configuration errors are reported on every rank
 before any process group exists, so a bad flag never leaves a rank waiting for its peers. Every failure the user
 can fix (a setting, a data file, a checkpoint, a peer that died) is one line per rank on stderr, ``error (rank
-R): ...``, and a non-zero exit; ``--debug`` (or ``MEGAZERO_DEBUG=1``) adds the traceback.
+R): ...``, written in one piece so that ranks' lines never run together, and a non-zero exit: 2 for a setting
+(as argparse), 1 for anything else (130 for Ctrl-C); ``--debug`` (or ``MEGAZERO_DEBUG=1``) adds the traceback.
 """
 
 from __future__ import annotations
@@ -60,8 +61,7 @@ def dry_run_main(argv: list[str]) -> int:
         c = cluster(known.gpu, known.gpus_per_node, efficiency=known.efficiency,
                     memory_bytes=known.memory_gb * 1e9 if known.memory_gb else None)
     except (ConfigError, TopologyError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report_failure(e if isinstance(e, (ConfigError, TopologyError)) else ConfigError(str(e)))
     setup_logging(0, 1)
     report = dry_run(cfg, c, cfg.logging.log_dir, device_type=known.device_type)
     print(format_report(report))

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from megazero.checkpoint.hf_import import configure_from_inputs, hf_initializer, hf_model_config
 from megazero.config.cli import parse_args
-from megazero.config.errors import ConfigError
+from megazero.config.errors import ConfigError, ConfigWarning
 from tests.common import SMALL_FLAGS
 from tests.dist import run_world
 from tests.reference import RefSpec, reference_batches
@@ -148,7 +148,8 @@ def _world(ctx, hf, cache: str, out: str) -> dict:
     for arch, (tp, pp), flags in (("llama", (2, 2), LLAMA_TP2_PP2),
                                   ("gpt2", (2, 1), [*GPT2_TP2_DP2_Z3, "--deepspeed-config", str(z3)])):
         sub = ParallelContext.from_grid(RankGrid.from_world(ctx.world_size, tp_size=tp, pp_size=pp))
-        rt = _cfg(_flags(hf, arch, cache, f"{out}/log-{arch}", *flags, own_tokenizer=True)).resolve(ctx.world_size)
+        rt = _cfg(_flags(hf, arch, cache, f"{out}/log-{arch}", *flags, own_tokenizer=arch == "llama")
+                  ).resolve(ctx.world_size)  # the GPT-2 directory has no tokenizer: the cache's (the same ids)
         del counts[:]
         engine = Engine(rt, sub)
         params = {p for c in engine.chunks for p in c.parameters()}
@@ -299,8 +300,8 @@ def test_config_follows_the_directory(hf):
     assert (m.arch, m.kv_heads, m.ffn_hidden_size, m.rope_theta, m.tied, m.vocab_size) == ("llama", 2, 96, 5e5,
                                                                                           False, 512)
     assert cfg.data.tokenizer == str(hf["dir"]["llama"])  # the directory supplies its tokenizer
-    cfg = configure_from_inputs(parse_args(["--init-from", str(hf["dir"]["gpt2"])]))  # no flags at all
-    assert (cfg.model.arch, cfg.model.num_layers, cfg.model.seq_len, cfg.data.tokenizer) == ("gpt2", 2, 32, None)
+    cfg = configure_from_inputs(parse_args(["--init-from", str(hf["dir"]["gpt2"]), "--tokenizer", hf["sp"]]))
+    assert (cfg.model.arch, cfg.model.num_layers, cfg.model.seq_len, cfg.data.tokenizer) == ("gpt2", 2, 32, hf["sp"])
 
 
 def test_a_missing_or_misshapen_tensor_is_refused(hf, tmp_path):
@@ -323,11 +324,65 @@ def test_a_missing_or_misshapen_tensor_is_refused(hf, tmp_path):
 
 # -- tokenizers -----------------------------------------------------------------------------------------------
 def _word_tokenizer(path: Path, words: int) -> Path:
-    from tokenizers import Tokenizer, models
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {f"w{i}": i for i in range(words - 1)} | {"</s>": words - 1}
-    Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(path))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path))
     return path
+
+
+@pytest.fixture(scope="module")
+def padded(hf, tmp_path_factory):
+    """The Llama weights (an untied embedding of 512 rows) with a tokenizer of 300 entries, as Qwen2's and
+    Pythia's embeddings have more rows than their tokenizers; eos and bos named by its tokenizer_config.json."""
+    d = tmp_path_factory.mktemp("padded")
+    for f in hf["dir"]["llama"].iterdir():
+        if not f.name.startswith("tokenizer"):
+            shutil.copy(f, d / f.name)
+    _word_tokenizer(d / "tokenizer.json", 300)
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "w1"}))
+    return d
+
+
+def test_embedding_rows_beyond_the_tokenizer_are_kept_never_sampled_and_exported(padded, data_cache, tmp_path):
+    """--init-from the padded directory: the model keeps 512 rows; a run of one step at lr 0 (the loop with a
+    300-entry tokenizer) saves weights that export back bit for bit, all 512 rows; generation never picks a row
+    of 300 or more (sampled or greedy), which the unmasked model does (negative control)."""
+    from megazero.generate import SamplingConfig, generate_ids, load_model, load_tokenizer
+    from megazero.train.loop import run_training
+
+    text = tmp_path / "words.txt"
+    text.write_text(" ".join(f"w{(7 * i) % 298 + 1}" for i in range(4000)))
+    flags = [*SMALL_FLAGS, "--init-from", str(padded), *ONE_STEP, "--lr", "0", "--data", str(text), "--cache-dir",
+             data_cache, "--log-dir", str(tmp_path / "log"), "--save", str(tmp_path / "ck")]
+    cfg = configure_from_inputs(parse_args(flags))
+    assert (cfg.model.vocab_size, cfg.data.tokenizer) == (512, str(padded))
+    run_world(lambda ctx: run_training(cfg.resolve(1), ctx).losses, 1)
+    _convert(tmp_path / "ck", tmp_path / "out")
+    want, got = _hf_tensors(padded), _hf_tensors(tmp_path / "out")
+    assert got.keys() == want.keys() and got["model.embed_tokens.weight"].shape[0] == 512
+    assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["vocab_size"] == 512
+    tok = load_tokenizer(tmp_path / "out")
+    assert (tok.vocab_size, tok.eos_id, tok.bos_id) == (300, 299, 1)
+
+    model, prompt = load_model(padded), [1, 2, 3]
+    sampling = SamplingConfig(max_new_tokens=24, temperature=1.0, seed=0, stop_at_eos=False)
+    assert max(generate_ids(model, prompt, sampling)) >= 300  # the rows do get sampled without the mask
+    assert max(generate_ids(model, prompt, sampling, vocab_size=tok.vocab_size)) < 300
+    with torch.no_grad():
+        logits = model.full_logits(torch.tensor([prompt]))[0, -1]
+    greedy = generate_ids(model, prompt, SamplingConfig(1, temperature=0), vocab_size=300)
+    assert greedy == [int(logits[:300].argmax())]
+
+
+def test_qwen2_is_refused_naming_its_qkv_biases():
+    config = transformers.Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2).to_dict()
+    with pytest.raises(ConfigError, match="model_type 'qwen2': Qwen2 is Llama with biases on q, k and v"):
+        hf_model_config(config)
 
 
 def test_the_vocabulary_follows_the_tokenizer_and_a_disagreeing_one_is_refused(hf, tmp_path, capsys):
@@ -336,12 +391,13 @@ def test_the_vocabulary_follows_the_tokenizer_and_a_disagreeing_one_is_refused(h
     assert configure_from_inputs(parse_args(["--tokenizer", str(hf["dir"]["llama"])])).model.vocab_size == 512
     with pytest.raises(ConfigError, match="--vocab-size 1000 does not match tokenizer .* 300 tokens"):
         configure_from_inputs(parse_args(["--tokenizer", str(tok), "--vocab-size", "1000"]))
-    with pytest.raises(ConfigError, match="vocab_size 512, but tokenizer .* has 300 tokens"):
-        configure_from_inputs(parse_args(["--init-from", str(hf["dir"]["llama"]), "--tokenizer", str(tok)]))
-    spec = importlib.util.spec_from_file_location("_pretrain_gpt", ROOT / "pretrain" / "gpt.py")
-    entry = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(entry)
-    assert entry.main(["--tokenizer", str(tok), "--vocab-size", "1000"]) != 0
+    big = _word_tokenizer(tmp_path / "big.json", 600)
+    with pytest.raises(ConfigError, match="vocab_size 512, but tokenizer .* has 600 tokens, more than the embedding"):
+        configure_from_inputs(parse_args(["--init-from", str(hf["dir"]["llama"]), "--tokenizer", str(big)]))
+    with pytest.warns(ConfigWarning, match="has 300 tokens, the embedding .* 512 rows: the rows beyond are kept"):
+        cfg = configure_from_inputs(parse_args(["--init-from", str(hf["dir"]["llama"]), "--tokenizer", str(tok)]))
+    assert cfg.model.vocab_size == 512  # the embedding's rows, not the tokenizer's entries
+    assert _entry_point().main(["--tokenizer", str(tok), "--vocab-size", "1000"]) != 0
     assert "--vocab-size 1000 does not match" in capsys.readouterr().err
 
 
@@ -350,5 +406,47 @@ def test_a_tokenizer_of_another_vocabulary_is_refused_for_a_checkpoint(world, tm
 
     ckpt = world["out"] / "llama-rt"
     assert load_tokenizer(ckpt).vocab_size == 512
-    with pytest.raises(ValueError, match="has 300 tokens, but the model .* vocabulary of 512"):
-        load_tokenizer(ckpt, str(_word_tokenizer(tmp_path / "tok.json", 300)))
+    with pytest.raises(ValueError, match="has 600 tokens, but the model .* vocabulary of 512"):
+        load_tokenizer(ckpt, str(_word_tokenizer(tmp_path / "tok.json", 600)))
+    assert load_tokenizer(ckpt, str(_word_tokenizer(tmp_path / "tok.json", 300))).vocab_size == 300  # padded rows
+
+
+def test_a_directory_without_a_tokenizer_is_refused_unless_one_is_named_or_asked_for(hf, capsys):
+    """The GPT-2 directory has weights and no tokenizer: refused in one line (exit 2) naming --tokenizer and
+    --new-tokenizer; either one starts the run; --new-tokenizer also sets the Llama directory's own aside."""
+    gpt2, llama = str(hf["dir"]["gpt2"]), str(hf["dir"]["llama"])
+    with pytest.raises(ConfigError, match=r"no tokenizer\.json or tokenizer\.model there.*--tokenizer.*"
+                                          r"--new-tokenizer.* vocabulary of 512"):
+        configure_from_inputs(parse_args(["--init-from", gpt2]))
+    assert configure_from_inputs(parse_args(["--init-from", gpt2, "--new-tokenizer"])).data.tokenizer is None
+    assert configure_from_inputs(parse_args(["--init-from", llama, "--new-tokenizer"])).data.tokenizer is None
+    assert configure_from_inputs(parse_args(["--init-from", llama])).data.tokenizer == llama
+    with pytest.warns(ConfigWarning, match="--new-tokenizer has no effect without --init-from"):
+        configure_from_inputs(parse_args(["--new-tokenizer"]))
+    entry = _entry_point()
+    assert entry.main(["--init-from", gpt2]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error (rank 0): --init-from ") and "--new-tokenizer" in err, err
+
+
+def _entry_point():
+    spec = importlib.util.spec_from_file_location("_pretrain_gpt", ROOT / "pretrain" / "gpt.py")
+    entry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entry)
+    return entry
+
+
+def test_init_from_with_a_checkpoint_to_load_reads_only_config_json(hf, world, tmp_path):
+    """--init-from with --load of an existing checkpoint keeps config.json's model and the directory's tokenizer
+    but drops the weights (init_from None: the seed's initialisation, then the checkpoint's values), saying so;
+    --load auto before any checkpoint exists reads them."""
+    llama, ck = str(hf["dir"]["llama"]), str(world["out"] / "llama-rt")
+    with pytest.warns(ConfigWarning, match="its weights are not read, --load resumes .*step_00000000"):
+        cfg = configure_from_inputs(parse_args([*SMALL_FLAGS, "--init-from", llama, "--load", ck]))
+    assert cfg.training.init_from is None and cfg.model.kv_heads == 2 and cfg.data.tokenizer == llama
+    with pytest.warns(ConfigWarning, match="its weights are not read"):
+        cfg = configure_from_inputs(parse_args([*SMALL_FLAGS, "--init-from", llama, "--load", "auto", "--save", ck]))
+    assert cfg.training.init_from is None
+    empty = str(tmp_path / "none-yet")
+    cfg = configure_from_inputs(parse_args([*SMALL_FLAGS, "--init-from", llama, "--load", "auto", "--save", empty]))
+    assert cfg.training.init_from == llama

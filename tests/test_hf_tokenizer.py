@@ -116,6 +116,10 @@ def test_vocab_size_follows_tokenizer_and_mismatch_is_refused(hf_dir: Path, tmp_
     assert resolve_tokenizer([], VOCAB, tmp_path, hf_dir).vocab_size == VOCAB
     with pytest.raises(ValueError, match=f"--vocab-size 1024 does not match .* with {VOCAB} tokens.*--vocab-size {VOCAB}"):
         resolve_tokenizer([], 1024, tmp_path, path)
+    # a checkpoint's embedding may have more rows than the tokenizer has entries (Qwen2, Pythia): never fewer
+    assert resolve_tokenizer([], 1024, tmp_path, path, rows_beyond_ok=True).vocab_size == VOCAB
+    with pytest.raises(ValueError, match=f"--vocab-size 512 does not match .* with {VOCAB} tokens"):
+        resolve_tokenizer([], 512, tmp_path, path, rows_beyond_ok=True)
     with pytest.raises(ValueError, match="does not exist"):
         open_tokenizer(tmp_path / "missing.json")
     with pytest.raises(ValueError, match="tokenizer model .* does not exist"):  # the SentencePiece path, as before
@@ -215,3 +219,44 @@ def test_sentencepiece_directory_and_file_open_as_before(corpus_files: list[Path
     (tmp_path / "x.model").write_bytes(b"not a model")
     with pytest.raises(ValueError, match="is not a SentencePiece model"):
         open_tokenizer(tmp_path / "x.model")
+    # an older Llama/Mistral directory: tokenizer.model beside configs that name eos and bos
+    (step / "generation_config.json").write_text(json.dumps({"bos_token_id": 5, "eos_token_id": [7, 2]}))
+    named = open_tokenizer(step)
+    assert (named.eos_id, named.bos_id) == (7, 5) and (sp.eos_id, sp.bos_id) == (2, 1)
+    (step / "tokenizer_config.json").write_text(json.dumps({"eos_token": sp.id_to_piece(9)}))
+    named = open_tokenizer(step)
+    assert (named.eos_id, named.bos_id) == (9, 5)
+    assert pickle.loads(pickle.dumps(named)).eos_id == 9  # what a preprocessing worker receives
+    (step / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<nope>"}))
+    with pytest.raises(ValueError, match="tokenizer_config.json: eos_token '<nope>' is not in the vocabulary"):
+        open_tokenizer(step)
+
+
+def test_special_tokens_come_from_the_directory_configs(hf_dir: Path, tmp_path: Path) -> None:
+    """eos/bos: tokenizer_config.json, else special_tokens_map.json, else generation_config.json (an id, the
+    first of a list), else the known names (here: the BPE's only special token, id 0; no bos)."""
+    (tmp_path / "tokenizer.json").write_bytes((hf_dir / "tokenizer.json").read_bytes())
+    lib = LibTokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    a, b, c = (lib.id_to_token(i) for i in (300, 301, 302))
+
+    def ids() -> tuple[int, int]:
+        tok = open_tokenizer(tmp_path)
+        again = pickle.loads(pickle.dumps(tok))
+        assert (again.eos_id, again.bos_id) == (tok.eos_id, tok.bos_id)
+        return tok.eos_id, tok.bos_id
+
+    assert ids() == (lib.token_to_id(EOS), -1)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [410, 411], "bos_token_id": 400}))
+    assert ids() == (410, 400)
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps({"eos_token": {"content": a}}))
+    assert ids() == (300, 400)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": b, "bos_token": c}))
+    assert ids() == (301, 302)
+    (tmp_path / "tokenizer_config.json").unlink()
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": VOCAB + 5}))
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<nope>"}))
+    with pytest.raises(ValueError, match="special_tokens_map.json: eos_token '<nope>' is not in the vocabulary"):
+        open_tokenizer(tmp_path)
+    (tmp_path / "special_tokens_map.json").unlink()
+    with pytest.raises(ValueError, match=f"generation_config.json: eos_token {VOCAB + 5} is not in the vocabulary"):
+        open_tokenizer(tmp_path)

@@ -103,7 +103,8 @@ def scaled_dir(tmp_path_factory):
 
 
 def _init_flags(path: Path, *extra: str) -> list[str]:
-    return ["--init-from", str(path), "--micro-batch-size", "2", "--global-batch-size", "2", "--no-progress",
+    return ["--init-from", str(path), "--new-tokenizer", "--micro-batch-size", "2", "--global-batch-size", "2",
+            "--no-progress",
             *extra]
 
 

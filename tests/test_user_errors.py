@@ -117,6 +117,10 @@ def test_errors_are_one_line_per_rank_without_traceback(saved, subprocess_env, t
     no_vocab = [f for i, f in enumerate(base) if "--vocab-size" not in base[max(0, i - 1): i + 1]]
     procs["own"] = _start([*no_vocab, "--data", str(data["own"]), "--train-steps", "1", "--log-dir",
                            str(tmp_path / "own")], subprocess_env)  # the preset says 1024, the .bin's tokenizer 512
+    procs["torchrun-tty"] = subprocess.Popen(  # as a user sees it: both workers' stderr and torchrun's together
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", GPT, *base, "--data",
+         str(data["no_file"])], env=subprocess_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True)
     logs = tmp_path / "torchrun"
     procs["torchrun"] = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--log-dir",
@@ -139,6 +143,13 @@ def test_errors_are_one_line_per_rank_without_traceback(saved, subprocess_env, t
     for rank in range(2):
         [err_file] = logs.glob(f"*/attempt_0/{rank}/stderr.log")
         assert_one_line((1, "", err_file.read_text()), rank, "does not exist")
+    lines = [line for line in r["torchrun-tty"][2].splitlines() if line.strip() and not set(line) <= {"*"}
+             and not line.startswith("Setting OMP_NUM_THREADS")]  # torchrun's banner, before any worker starts
+    assert re.fullmatch(r"error \(rank [01]\): data path .* does not exist.*\[traceback: --debug\]", lines[0]), lines
+    assert re.fullmatch(r"error \(rank [01]\): .*", lines[1]) and lines[1][:16] != lines[0][:16], lines[:2]
+    assert "error (rank" not in "\n".join(lines[2:lines.index("Failures:")]), lines  # only torchrun's own lines
+    summary = "\n".join(lines[lines.index("Failures:"):])  # torchrun quotes each rank's line (its error file)
+    assert all(f"traceback : error (rank {q}): data path" in summary for q in (0, 1)), summary
     code, out, err = r["own"]
     assert code == 0 and err == "" and "vocab 512 (padded 512)" in out, (err[-3000:], out[-2000:])
     code, out, err = r["resume"]
@@ -208,9 +219,11 @@ def test_load_auto_skips_a_damaged_checkpoint(saved, data_cache, tmp_path):
     data[-10] ^= 0xFF
     shard.write_bytes(bytes(data))
     results = run_world(_fallback, 2, data_cache, str(tmp_path / "logs"), str(damaged))
-    for refused, resumed in results:
+    for rank, (refused, resumed) in enumerate(results):
         assert len(resumed) == 4 and resumed[:2] == losses[2:], (resumed, losses)  # steps 3-6, from step 2
         assert "CheckpointError" in refused and "rank_00001.safetensors is corrupt" in refused, refused
+        # printed as "error (rank R): ...": rank 0 says who found it, rank 1 names no other rank
+        assert ("CheckpointError: rank 1 reports: " in refused) == (rank == 0) and "(rank" not in refused, refused
     assert (damaged / "latest").read_text() == "step_00000006\n"
 
 
@@ -255,6 +268,41 @@ def _tool_parser(name: str, monkeypatch):
     with pytest.raises(SystemExit):
         module.main([])
     return captured[0]
+
+
+def test_a_failure_line_is_one_write_and_the_help_says_what_it_should(monkeypatch, tmp_path):
+    """report_failure writes "error (rank R): ...\\n" to the stderr descriptor in one write (ranks sharing a pipe
+    never run together) and returns 2 for a setting, 1 for anything else; the help texts name --debug, the
+    kinds of --data, and that preprocess_data needs --tokenizer or --vocab-size."""
+    import io
+
+    from megazero.config.cli import build_parser
+    from megazero.data import DataError
+    from megazero.observe import log
+
+    read_fd, write_fd = os.pipe()
+    stream = io.TextIOWrapper(io.FileIO(write_fd, "w"), line_buffering=True, write_through=True)
+    writes: list[bytes] = []
+    real_write = os.write
+    monkeypatch.setattr(log.os, "write", lambda fd, data: writes.append(bytes(data)) or real_write(fd, data))
+    monkeypatch.setattr(sys, "stderr", stream)
+    monkeypatch.delenv(log.DEBUG_ENV, raising=False)
+    assert log.report_failure(ConfigError("--tp 3 does not divide 4"), 3) == 2
+    assert log.report_failure(DataError("data path 'x' does not exist"), 1) == 1
+    stream.close()
+    with os.fdopen(read_fd, "rb") as f:
+        got = f.read()
+    assert writes == [b"error (rank 3): --tp 3 does not divide 4\n",
+                      b"error (rank 1): data path 'x' does not exist [traceback: --debug]\n"], writes
+    assert got == b"".join(writes)
+    monkeypatch.undo()
+    text = " ".join(build_parser().format_help().split())
+    assert "--debug a failure prints its traceback" in text and "exit status 2 for a setting, 1 for" in text, text
+    assert ".jsonl with a \"text\" field" in text and "token files (.bin from tools/preprocess_data.py" in text
+    preprocess = " ".join(_tool_parser("preprocess_data", monkeypatch).format_help().split())
+    assert preprocess.count("One of --tokenizer and --vocab-size is required") == 1, preprocess
+    for tool in ("generate", "convert_checkpoint"):  # one hint everywhere: every entry point takes --debug
+        assert "--debug" in _tool_parser(tool, monkeypatch).format_help()
 
 
 @pytest.mark.parametrize("name", ["generate", "convert_checkpoint", "estimate_memory", "plan", "plot_metrics",

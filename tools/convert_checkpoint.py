@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tools/convert_checkpoint.py",
         description="Merge a megazero sharded checkpoint into one fp32 state dict or a Hugging Face GPT-2 or Llama "
         "model.",
-        epilog=f"A failure prints one line; {DEBUG_ENV}=1 adds its traceback.")
+        epilog=f"A failure prints one line; --debug (or {DEBUG_ENV}=1) adds its traceback.")
     parser.add_argument("checkpoint", metavar="CKPT_DIR",
                         help="a --save directory (its latest checkpoint) or one step_N directory")
     parser.add_argument("--step", type=int, help="convert step N of CKPT_DIR instead of its latest")
@@ -118,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
                         help="megazero names or a Hugging Face GPT-2 or Llama directory (default: %(default)s)")
     parser.add_argument("--no-verify", action="store_true", help="skip the SHA-256 check of the shard files")
+    parser.add_argument("--debug", action="store_true", help="a failure prints its traceback too")
     return parser
 
 
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             raise CheckpointError(f"{step_dir} is not a complete checkpoint (no manifest.json)")
         s = convert(step_dir, Path(args.out), args.format, verify=not args.no_verify)
     except BaseException as e:  # noqa: BLE001 - one line for what the user can fix, a traceback for bugs
-        return report_failure(e, debug=debug_requested())
+        return report_failure(e, debug=args.debug or debug_requested())
     print(f"step {s['step']} of {step_dir}: {s['parameters']:,} parameters in {s['tensors']} tensors, saved at "
           f"tp={s['tp']} pp={s['pp']} dp={s['dp']} ZeRO-{s['zero_stage']} {s['precision']} ({s['files']} shard "
           f"files)\nwrote {args.out} ({args.format}, {s['bytes'] / 1e6:.2f} MB) in {s['seconds']:.1f}s")

@@ -36,7 +36,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tools/generate.py", description=__doc__.split("\n\n")[0],
-                                epilog=f"A failure prints one line per rank; {DEBUG_ENV}=1 adds its traceback.")
+                                epilog=f"A failure prints one line per rank; --debug (or {DEBUG_ENV}=1) adds its traceback.")
     p.add_argument("checkpoint", metavar="CKPT", help="--save directory, step_N directory, merged or HF export")
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for several)")
     p.add_argument("--max-new-tokens", type=int, default=64,
@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence for every token")
     p.add_argument("--no-stop", action="store_true", help="keep going after the end-of-sequence token")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.add_argument("--debug", action="store_true", help="a failure prints its traceback too")
     return p
 
 
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(CP_REFUSAL.format(cp=args.cp))
         grid = RankGrid.from_world(env.world_size, tp_size=args.tp)
     except (ValueError, TopologyError) as e:  # the sampling settings or --tp
-        return report_failure(ConfigError(str(e)), env.rank)
+        return report_failure(ConfigError(str(e)), env.rank, debug=args.debug or debug_requested())
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     tp_group = None
     if env.world_size > 1:
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         for prompt in args.prompt:
             ids = tok.encode(prompt)
             new = generate_ids(model, ids, sampling, use_cache=not args.no_cache,
-                               eos_id=getattr(tok, "eos_id", None))
+                               eos_id=getattr(tok, "eos_id", None), vocab_size=tok.vocab_size)
             if env.rank == 0:
                 text = tok.decode(new)
                 if args.json:
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     print(prompt + text, flush=True)
     except BaseException as e:  # noqa: BLE001 - one line per rank for what the user can fix, a traceback for bugs
-        return report_failure(e, env.rank, world_size=env.world_size, debug=debug_requested())
+        return report_failure(e, env.rank, world_size=env.world_size, debug=args.debug or debug_requested())
     finally:
         destroy_distributed()
     return 0

@@ -49,13 +49,16 @@ __all__ = ["main", "parse_args"]
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] + " One of --tokenizer and "
+                                     "--vocab-size is required.")
     parser.add_argument("--input", nargs="+", required=True, help="text/JSONL files or directories")
     parser.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX.bin and OUTPUT_PREFIX.json")
     parser.add_argument("--vocab-size", type=int, help="train (or load the cached) built-in BPE of this size; "
-                        "with --tokenizer, must equal its vocabulary size")
+                        "with --tokenizer, must equal its vocabulary size (one of --vocab-size and --tokenizer is "
+                        "required)")
     parser.add_argument("--tokenizer", metavar="PATH", help="an existing SentencePiece .model, Hugging Face "
-                        "tokenizer.json, or a directory holding one")
+                        "tokenizer.json, or a directory holding one (one of --tokenizer and --vocab-size is "
+                        "required)")
     parser.add_argument("--cache-dir", default=None, help="tokenizer cache root (default: $MEGAZERO_CACHE or "
                         "~/.cache/megazero)")
     parser.add_argument("--batch-size", type=int, default=256, help="documents encoded per batch (a batch also "

@@ -16,12 +16,20 @@
    are refused, as is a
    directory that lacks a tensor or holds one of another shape: both are read from the safetensors headers
    alone, so a bad directory fails on every rank before any process group or tensor exists.
-   ``DIR``'s tokenizer (``tokenizer.json``, else ``tokenizer.model``) becomes the run's unless ``--tokenizer``
-   is given, and the vocabulary is config.json's ``vocab_size``; a tokenizer of another size is refused,
-   naming both (megazero's vocabulary is its tokenizer's, so embedding rows no token reaches are not
-   trained silently). Without ``--init-from`` the same function lets ``--tokenizer`` (or, without it, the
-   tokenizer a ``.bin`` of ``--data`` was made with) set the vocabulary unless ``--vocab-size`` was given, which
-   must then agree.
+   A tokenizer is part of a model: ``DIR``'s (``tokenizer.json``, else the SentencePiece ``tokenizer.model`` of
+   older Llama and Mistral directories, with eos/bos from the directory's own configs) becomes the run's unless
+   ``--tokenizer`` names one. A directory with neither is refused unless ``--tokenizer`` is given or the user
+   opts in with ``--new-tokenizer`` (pretrained embeddings paired with a new vocabulary, trained on the corpus
+   at config.json's size, or a ``.bin``'s). The vocabulary is config.json's ``vocab_size``: the embedding's
+   rows, which may exceed the tokenizer's entries (Qwen2 and Pythia pad them to a tidy multiple): those rows are
+   kept, trained as the published model was (in the softmax; no input reaches them), never sampled
+   (generation masks them) and exported back. A tokenizer with more entries than rows is refused, naming
+   both. Without ``--init-from`` the same function lets ``--tokenizer`` (or, without it, the tokenizer a ``.bin``
+   of ``--data`` was made with) set the vocabulary unless ``--vocab-size`` was given, which must then agree.
+
+   With ``--load`` naming a checkpoint that exists (``--load auto`` once a restarted run has saved one), the
+   weights of ``DIR`` are not read at all (:func:`configure_from_inputs` drops ``init_from`` after taking the
+   model's shape and tokenizer): the checkpoint's values would replace them.
 2. **Materialisation** (:func:`hf_initializer`, the recipe's materialiser): ZeRO asks for one parameter's
    initial value at a time (stages 0-2), or one gather unit's (stage 3), at this rank's TP-shard shape. The
    value is cut out of the Hugging Face tensors with ``safe_open(...).get_slice``, which reads only the
@@ -31,13 +39,17 @@
    its own layers, so a rank reads its TP x PP share and never a tensor it does not hold; ZeRO then keeps
    the DP shard, as it does for a random initialisation (the DP cut is not read selectively: it slices
    the flattened gather unit across parameter boundaries, and the unit's TP shard is needed whole to fill
-   it). Any floating dtype is read and converted to fp32, so bf16 weights load exactly. With ``--load`` as
-   well (a restarted run, ``--load auto``) the checkpoint's values then replace these.
+   it). Any floating dtype is read and converted to fp32, so bf16 weights load exactly.
+
+Qwen2 (``model_type`` qwen2) is Llama with q/k/v biases, its own ``rope_theta`` (1e6), tied embeddings in the
+small sizes, a padded vocabulary and sliding-window keys (off unless ``use_sliding_window``); megazero's Llama has
+no biases, so a Qwen2 directory is refused naming them.
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable
 from dataclasses import fields, replace
 from pathlib import Path
@@ -46,7 +58,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from megazero.config.errors import ConfigError
+from megazero.checkpoint.store import CheckpointError, find_checkpoint
+from megazero.config.errors import ConfigError, ConfigWarning
 from megazero.config.schema import Config, ModelConfig
 from megazero.data import check_vocab_size, open_tokenizer, sidecar_tokenizer
 from megazero.distributed.group import Group
@@ -56,6 +69,7 @@ from megazero.tensor_parallel.layers import tp_size_rank
 
 __all__ = ["HFCheckpoint", "check_tensors", "configure_from_inputs", "hf_initializer", "hf_model_config"]
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 CONFIG, INDEX, WEIGHTS, TORCH_WEIGHTS = ("config.json", "model.safetensors.index.json", "model.safetensors",
                                           "pytorch_model.bin")
 
@@ -107,6 +121,9 @@ def hf_model_config(hf: dict[str, Any], where: str = "config.json",
         values = {f: hf.get(k) for f, k in keys.items()}
         values["layernorm_eps"] = hf.get("layer_norm_epsilon", 1e-5)
         return ModelConfig(arch="gpt2", tie_embeddings=True, **values, **keep), {**keys, "arch": "model_type"}
+    if kind == "qwen2":
+        raise refuse("model_type", "Qwen2 is Llama with biases on q, k and v, which megazero's Llama does not have "
+                     "(it reads Hugging Face gpt2 and llama models)")
     if kind != "llama":
         raise refuse("model_type", "megazero reads Hugging Face gpt2 and llama models")
     rope_key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
@@ -268,17 +285,39 @@ def _from_hf_dir(cfg: Config) -> Config:
             raise ConfigError(f"--init-from {path}: {CONFIG} has {keys[field_name]} {theirs}, but {what} gives "
                               f"{attr} {ours}; drop {what}: the Hugging Face config sets the model")
     data = cfg.data
-    if "data.tokenizer" not in cfg.explicit and any((path / f).is_file() for f in ("tokenizer.json",
-                                                                                   "tokenizer.model")):
+    if "data.tokenizer" not in cfg.explicit and not data.new_tokenizer:
+        if not any((path / f).is_file() for f in TOKENIZER_FILES):
+            raise ConfigError(f"--init-from {path}: no {' or '.join(TOKENIZER_FILES)} there, and pretrained embeddings "
+                              f"belong to their tokenizer; pass --tokenizer with the model's own, or --new-tokenizer "
+                              f"to pair these weights with a new vocabulary of {model.vocab_size}")
         data = replace(data, tokenizer=str(path))
     return replace(cfg, model=model, model_preset=f"hf:{path.name}", data=data)
+
+
+def _checkpoint_to_load(cfg: Config) -> Path | None:
+    """The step directory ``--load`` will resume from, or None (none yet under ``--load auto``; loading reports a
+    missing or damaged one)."""
+    t = cfg.training
+    root = t.save if t.load == "auto" else t.load
+    try:
+        return find_checkpoint(root) if root is not None else None
+    except (CheckpointError, OSError):
+        return None
 
 
 def configure_from_inputs(cfg: Config) -> Config:
     """``cfg`` with the model shape its inputs fix: ``--init-from``'s config.json, then the tokenizer's
     vocabulary (module docstring). Call before :meth:`Config.resolve`; raises :class:`ConfigError`."""
-    if cfg.training.init_from is not None:
+    init_from = cfg.training.init_from
+    if init_from is not None:
         cfg = _from_hf_dir(cfg)
+        step_dir = _checkpoint_to_load(cfg)
+        if step_dir is not None:  # its weights would be replaced: read only config.json (and the tokenizer)
+            warnings.warn(ConfigWarning(f"--init-from {init_from}: its weights are not read, --load resumes "
+                                        f"{step_dir} (config.json still sets the model)"), stacklevel=2)
+            cfg = replace(cfg, training=replace(cfg.training, init_from=None))
+    elif cfg.data.new_tokenizer:
+        warnings.warn(ConfigWarning("--new-tokenizer has no effect without --init-from"), stacklevel=2)
     tokenizer = cfg.data.tokenizer or sidecar_tokenizer(cfg.data.paths)  # a .bin's: the one it was made with
     if tokenizer is None:
         return cfg
@@ -288,10 +327,16 @@ def configure_from_inputs(cfg: Config) -> Config:
         raise ConfigError(f"--tokenizer: {e}") from e
     if tok.vocab_size == cfg.model.vocab_size:
         return cfg
-    if cfg.training.init_from is not None:
-        raise ConfigError(f"--init-from {cfg.training.init_from}: its {CONFIG} has vocab_size {cfg.model.vocab_size}, "
-                          f"but tokenizer {tok.model_path} has {tok.vocab_size} tokens; pass --tokenizer with the "
-                          f"model's own tokenizer")
+    if init_from is not None:
+        if tok.vocab_size > cfg.model.vocab_size:
+            raise ConfigError(f"--init-from {init_from}: its {CONFIG} has vocab_size {cfg.model.vocab_size}, but "
+                              f"tokenizer {tok.model_path} has {tok.vocab_size} tokens, more than the embedding has "
+                              f"rows; pass --tokenizer with the model's own tokenizer")
+        if "data.tokenizer" in cfg.explicit:  # the directory's own may pad its rows; a given one is worth a line
+            warnings.warn(ConfigWarning(f"--tokenizer {tokenizer} has {tok.vocab_size} tokens, the embedding of "
+                                        f"--init-from {init_from} {cfg.model.vocab_size} rows: the rows beyond are "
+                                        "kept and never sampled"), stacklevel=2)
+        return cfg
     if "model.vocab_size" in cfg.explicit:
         try:
             check_vocab_size(tok, cfg.model.vocab_size)

@@ -130,8 +130,9 @@ def describe(e: BaseException) -> str:
 
 
 def first_failure(ctx: ParallelContext, error: BaseException | None) -> str | None:
-    """Collective: None if no rank failed, else the lowest failing rank's message (with ``(rank r)`` in a world of
-    several ranks): a world all-reduce plus, on failure, a broadcast of the message. A failure that is a bug
+    """Collective: None if no rank failed, else the lowest failing rank's message (on the other ranks as ``rank r
+    reports: ...``, so that each printed line names its own rank first): a world all-reduce plus, on failure, a
+    broadcast of the message. A failure that is a bug
     rather than a bad file or setting re-raises on its rank (keeping its traceback) and raises
     :class:`CheckpointError` on the others."""
     world = ctx.world_group
@@ -155,9 +156,10 @@ def first_failure(ctx: ParallelContext, error: BaseException | None) -> str | No
     text = bytes(buf.tolist()).rstrip(b"\0").decode(errors="replace")
     if ctx.rank == src:
         _raise_bug(error)
+        return text[1:]
     if text[0] == "B":
-        raise CheckpointError(f"{text[1:]} (rank {src})") from error
-    return f"{text[1:]} (rank {src})"
+        raise CheckpointError(f"rank {src} reports: {text[1:]}") from error
+    return f"rank {src} reports: {text[1:]}"  # this line is printed as rank ctx.rank's: the finder named first
 
 
 def agree(ctx: ParallelContext, error: BaseException | None) -> None:

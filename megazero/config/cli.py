@@ -174,11 +174,15 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "--adam-eps", "optimizer.eps", "Adam epsilon", type=float)
 
     g = parser.add_argument_group("data")
-    add(g, "--data", "data.paths", "text files or directories; empty uses the built-in corpus", nargs="+",
-        metavar="PATH")
+    add(g, "--data", "data.paths", "text files (.txt, or .jsonl with a \"text\" field per line), directories of "
+        "them, or token files (.bin from tools/preprocess_data.py, whose tokenizer they name); empty uses the "
+        "built-in corpus", nargs="+", metavar="PATH")
     add(g, "--tokenizer", "data.tokenizer", "SentencePiece .model, Hugging Face tokenizer.json or a directory "
         "holding one; the vocabulary size follows it. None trains a SentencePiece BPE on the corpus (or takes "
         "--init-from's)", metavar="PATH")
+    add(g, "--new-tokenizer", "data.new_tokenizer", "with --init-from: do not take the directory's tokenizer (one "
+        "without any is refused otherwise) but pair its weights with the run's own, trained on the corpus at the "
+        "model's vocabulary size (or a .bin's)", action="store_const", const=True)
     add(g, "--cache-dir", "data.cache_dir", "tokenizer/dataset cache; None is ~/.cache/megazero", metavar="DIR")
 
     g = parser.add_argument_group("logging")
@@ -190,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "--sample-prompts", "logging.sample_prompts", "file of prompts, one a line: greedy samples at every "
         "evaluation (console, metrics.jsonl, W&B table)", metavar="FILE")
     add(g, "--sample-tokens", "logging.sample_tokens", "tokens generated per sample prompt", type=int)
+    g.add_argument("--debug", action="store_true", help="a failure prints its traceback before its one line "
+                   "(MEGAZERO_DEBUG=1 does the same); exit status 2 for a setting, 1 for anything else")
 
     g = parser.add_argument_group("checkpointing")
     add(g, "--save", "training.save", "checkpoint directory", metavar="DIR")
@@ -200,8 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "--keep-last", "training.keep_last", "keep only the newest N checkpoints", type=int)
     add(g, "--init-from", "training.init_from", "start from a local Hugging Face GPT-2 or Llama directory "
         "(config.json + safetensors, sharded or not): its config.json sets the model (flags that disagree are "
-        "refused), its tokenizer the run's unless --tokenizer is given; each rank reads only its shards",
-        metavar="DIR")
+        "refused), its tokenizer (tokenizer.json or tokenizer.model; neither: refused unless --tokenizer or "
+        "--new-tokenizer) the run's; embedding rows beyond the tokenizer are kept, never sampled; each rank reads "
+        "only its shards. With --load and a checkpoint to resume, its weights are not read (the checkpoint's "
+        "replace them)", metavar="DIR")
 
     g = parser.add_argument_group("DeepSpeed compatibility")
     add(g, "--deepspeed-config", "deepspeed_config",
@@ -220,6 +228,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
     """
     parser = build_parser()
     explicit: dict[str, Any] = vars(parser.parse_args(argv))
+    explicit.pop("debug", None)  # the entry point's, not a setting
     file = explicit.get("deepspeed_config")
     if file is None:
         return _build_config(explicit)

@@ -280,6 +280,7 @@ class DataConfig:
     paths: list[str] = field(default_factory=list)  # empty: the built-in standard-library corpus
     cache_dir: str | None = None  # None: ~/.cache/megazero
     tokenizer: str | None = None  # path to a SentencePiece .model; None: train/cached BPE on the corpus
+    new_tokenizer: bool = False  # --init-from without its tokenizer: pair the weights with a new one (opt-in)
     eval_fraction: float = 0.01
 
 

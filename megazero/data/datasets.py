@@ -433,13 +433,15 @@ def sidecar_tokenizer(paths: Sequence[str | os.PathLike[str]]) -> str | None:
 def resolve_tokenizer(
     paths: Sequence[str | os.PathLike[str]], vocab_size: int | None,
     cache_dir: str | os.PathLike[str] | None = None, tokenizer_model: str | os.PathLike[str] | None = None,
+    rows_beyond_ok: bool = False,
 ) -> AnyTokenizer:
     """The tokenizer a run should use for ``paths``.
 
     An explicit ``tokenizer_model`` wins (a SentencePiece ``.model``, a Hugging Face ``tokenizer.json`` or a
     directory holding one, see :func:`open_tokenizer`); for ``.bin`` inputs the tokenizer recorded in the
     sidecar is used; otherwise the cached BPE of ``vocab_size`` is loaded or trained on the text paths (the
-    standard-library corpus when ``paths`` is empty).
+    standard-library corpus when ``paths`` is empty). ``rows_beyond_ok``: ``vocab_size`` is a checkpoint's
+    embedding rows, which may exceed the tokenizer's entries (a padded vocabulary, as Qwen2's or Pythia's).
 
     Raises:
         ValueError: if ``vocab_size`` contradicts the tokenizer (naming both), or no tokenizer can be determined.
@@ -452,7 +454,8 @@ def resolve_tokenizer(
             raise DataError(f"{bins[0]}: its tokenizer model {named!r} is not available; pass --tokenizer")
     if tokenizer_model is not None:
         tok = open_tokenizer(tokenizer_model)
-        check_vocab_size(tok, vocab_size)
+        check_vocab_size(tok, None if rows_beyond_ok and vocab_size is not None and vocab_size > tok.vocab_size
+                         else vocab_size)
         return tok
     if vocab_size is None:
         raise DataError("--vocab-size is required to train the built-in tokenizer (or pass --tokenizer MODEL)")

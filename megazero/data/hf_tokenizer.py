@@ -10,9 +10,12 @@ Ids are the library's own: ``encode`` is ``tokenizers.Tokenizer.encode(text, add
 that token, as ``transformers`` does by default) and ``decode`` keeps special tokens, so a tokenizer that
 round-trips (byte-level BPE such as GPT-2's or Llama 3's) gives ``decode(encode(text)) == text``.
 
-The end-of-sequence token (appended after each document when packing) is the ``eos_token`` of the
-``tokenizer_config.json`` beside the ``tokenizer.json`` when there is one (as in a Hugging Face model
-directory), else the first of :data:`EOS_TOKENS` in the vocabulary.
+The end-of-sequence token (appended after each document when packing) and the beginning-of-sequence token are
+the ones the tokenizer's own directory names (:func:`special_tokens`, as in a Hugging Face model directory):
+``tokenizer_config.json``'s ``eos_token``/``bos_token``, else ``special_tokens_map.json``'s, else
+``generation_config.json``'s ``eos_token_id``/``bos_token_id`` (the first of a list); with none of them, the first
+of :data:`EOS_TOKENS` (:data:`BOS_TOKENS`) in the vocabulary. A SentencePiece ``tokenizer.model`` beside such files
+(older Llama and Mistral directories) takes its eos/bos from them likewise.
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ from typing import Any
 
 from megazero.data.corpus import DataError
 
-__all__ = ["BOS_TOKENS", "EOS_TOKENS", "HF_TOKENIZER_FILE", "HFTokenizer"]
+__all__ = ["BOS_TOKENS", "EOS_TOKENS", "HF_TOKENIZER_FILE", "SPECIAL_TOKEN_FILES", "HFTokenizer", "special_tokens"]
 
 HF_TOKENIZER_FILE = "tokenizer.json"
 _CONFIG_FILE = "tokenizer_config.json"
+#: Files of a model directory that name its special tokens, in the order they are consulted.
+SPECIAL_TOKEN_FILES = (_CONFIG_FILE, "special_tokens_map.json", "generation_config.json")
 #: End-of-sequence tokens looked for when no ``tokenizer_config.json`` names one (GPT-2/Qwen, Llama 3, Llama 2
 #: and Mistral, Gemma).
 EOS_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
@@ -44,12 +49,62 @@ def _token_content(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{path} is not a JSON tokenizer config ({e})") from e
+    if not isinstance(config, dict):
+        raise DataError(f"{path} is not a JSON object")
+    return config
+
+
+def special_tokens(directory: str | os.PathLike[str]) -> dict[str, tuple[str | int, str]]:
+    """The eos and bos tokens that a model directory's own files name: ``{"eos": (token or id, file), "bos": ...}``
+    from the first of :data:`SPECIAL_TOKEN_FILES` naming each (``tokenizer_config.json`` and
+    ``special_tokens_map.json`` name tokens, ``generation_config.json`` ids: the first of a list). A key no file
+    names is absent."""
+    found: dict[str, tuple[str | int, str]] = {}
+    for name in SPECIAL_TOKEN_FILES:
+        path = Path(directory) / name
+        if not path.is_file():
+            continue
+        config = _read_config(path)
+        for key in ("eos", "bos"):
+            if key in found:
+                continue
+            if name == "generation_config.json":
+                value = config.get(f"{key}_token_id")
+                value = value[0] if isinstance(value, list) and value else value
+                if isinstance(value, int) and not isinstance(value, bool):
+                    found[key] = (value, str(path))
+            elif (token := _token_content(config.get(f"{key}_token"))) is not None:
+                found[key] = (token, str(path))
+    return found
+
+
+def special_id(specials: dict[str, tuple[str | int, str]], key: str, vocab: dict[str, int] | Any, vocab_size: int,
+               model_path: Path, known: Sequence[str] = ()) -> int:
+    """The id of special token ``key`` ("eos", "bos") named in ``specials`` (:func:`special_tokens`), looked up in
+    ``vocab`` (a mapping, or a function of a token giving its id or None); else the first of ``known`` there; -1 if
+    none. A named token the vocabulary lacks, or an id beyond it, is refused naming the file."""
+    lookup = vocab.get if isinstance(vocab, dict) else vocab
+    if key in specials:
+        value, source = specials[key]
+        found = value if isinstance(value, int) else lookup(value)
+        if found is None or not 0 <= found < vocab_size:
+            raise DataError(f"{source}: {key}_token {value!r} is not in the vocabulary of {model_path} "
+                            f"({vocab_size} tokens)")
+        return found
+    return next((i for i in map(lookup, known) if i is not None), -1)
+
+
 class HFTokenizer:
     """A Hugging Face fast tokenizer loaded from a local ``tokenizer.json``.
 
     Attributes:
         model_path: the ``tokenizer.json`` file.
-        config_path: the ``tokenizer_config.json`` beside it (read for eos/bos), or None.
+        config_path: the ``tokenizer_config.json`` beside it, or None (eos/bos: :func:`special_tokens`).
         vocab_size: number of ids: one more than the largest id of the vocabulary, added tokens included.
         eos_id: end-of-sequence id, appended after each document when packing.
         bos_id: beginning-of-sequence id (-1 if none is named or known).
@@ -68,44 +123,31 @@ class HFTokenizer:
         self.model_path = p
         config_file = p.parent / _CONFIG_FILE
         self.config_path = config_file if config_file.is_file() else None
-        config = None
-        if self.config_path is not None:
-            try:
-                config = json.loads(self.config_path.read_text(encoding="utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise DataError(f"{self.config_path} is not a JSON tokenizer config ({e})") from e
-        self._load(p.read_bytes(), config)
+        config = _read_config(self.config_path) if self.config_path is not None else None
+        self._load(p.read_bytes(), config, special_tokens(p.parent))
 
-    def _load(self, raw: bytes, config: dict[str, Any] | None) -> None:
+    def _load(self, raw: bytes, config: dict[str, Any] | None,
+              specials: dict[str, tuple[str | int, str]]) -> None:
         from tokenizers import Tokenizer as _LibTokenizer
 
         try:
             self._tok = _LibTokenizer.from_str(raw.decode("utf-8"))
         except Exception as e:  # noqa: BLE001 - the library raises plain Exception on a malformed file
             raise DataError(f"{self.model_path} is not a Hugging Face tokenizer.json ({e})") from e
-        self._raw, self._config = raw, config
+        self._raw, self._config, self._specials = raw, config, specials
         self.fingerprint = hashlib.sha256(raw).hexdigest()
         vocab = self._tok.get_vocab(with_added_tokens=True)
         if not vocab:
             raise DataError(f"tokenizer {str(self.model_path)!r} has an empty vocabulary")
         self.vocab_size = max(vocab.values()) + 1
-        self.eos_id = self._special_id(vocab, config, "eos_token", EOS_TOKENS)
+        self.eos_id = special_id(specials, "eos", vocab, self.vocab_size, self.model_path, EOS_TOKENS)
         if self.eos_id < 0:
             raise DataError(
                 f"tokenizer {str(self.model_path)!r} names no end-of-sequence (eos) token: none of "
                 f"{', '.join(EOS_TOKENS)} is in its vocabulary; put a {_CONFIG_FILE} with \"eos_token\" beside "
                 f"it, as a Hugging Face model directory has"
             )
-        self.bos_id = self._special_id(vocab, config, "bos_token", BOS_TOKENS)
-
-    def _special_id(self, vocab: dict[str, int], config: dict[str, Any] | None, key: str,
-                    known: Sequence[str]) -> int:
-        named = _token_content((config or {}).get(key))
-        if named is not None:
-            if named not in vocab:
-                raise DataError(f"{self.config_path}: {key} {named!r} is not in the vocabulary of {self.model_path}")
-            return vocab[named]
-        return next((vocab[t] for t in known if t in vocab), -1)
+        self.bos_id = special_id(specials, "bos", vocab, self.vocab_size, self.model_path, BOS_TOKENS)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> HFTokenizer:
@@ -133,12 +175,12 @@ class HFTokenizer:
 
     def __getstate__(self) -> dict[str, Any]:
         return {"model_path": str(self.model_path), "config_path": self.config_path and str(self.config_path),
-                "raw": self._raw, "config": self._config}
+                "raw": self._raw, "config": self._config, "specials": self._specials}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.model_path = Path(state["model_path"])
         self.config_path = Path(state["config_path"]) if state["config_path"] else None
-        self._load(state["raw"], state["config"])
+        self._load(state["raw"], state["config"], state.get("specials", {}))
 
     def __repr__(self) -> str:
         return f"HFTokenizer(model_path={str(self.model_path)!r}, vocab_size={self.vocab_size})"

@@ -20,6 +20,7 @@ import sentencepiece as spm
 from filelock import FileLock
 
 from megazero.data.corpus import DataError, corpus_fingerprint, expand_paths, read_text_documents
+from megazero.data.hf_tokenizer import special_id, special_tokens
 from megazero.observe.log import get_logger
 
 __all__ = [
@@ -43,6 +44,9 @@ _SPACE_PIECE = "\u2581"
 class Tokenizer:
     """A SentencePiece model with exact round-trip encode/decode.
 
+    A ``tokenizer.model`` of a Hugging Face model directory (older Llama and Mistral ones) takes its eos and bos
+    from the files beside it that name them (:func:`megazero.data.hf_tokenizer.special_tokens`), else the model's.
+
     Attributes:
         model_path: the ``.model`` file this tokenizer was loaded from.
     """
@@ -51,15 +55,26 @@ class Tokenizer:
         self.model_path = Path(model_path)
         if not self.model_path.is_file():
             raise DataError(f"tokenizer model {str(self.model_path)!r} does not exist")
-        self._load(self.model_path.read_bytes())
+        specials = special_tokens(self.model_path.parent) if self.model_path.name == "tokenizer.model" else {}
+        self._load(self.model_path.read_bytes(), specials)
 
-    def _load(self, proto: bytes) -> None:
+    def _piece_id(self, piece: str) -> int | None:
+        i = self._sp.piece_to_id(piece)
+        return i if self._sp.id_to_piece(i) == piece else None  # an unknown piece maps to unk
+
+    def _load(self, proto: bytes, specials: dict[str, tuple[str | int, str]] | None = None) -> None:
         try:
             self._sp = spm.SentencePieceProcessor(model_proto=proto)
         except (RuntimeError, OSError) as e:
             raise DataError(f"{self.model_path} is not a SentencePiece model ({e})") from e
         self._fingerprint = hashlib.sha256(proto).hexdigest()
-        if self._sp.eos_id() < 0:
+        self._specials = specials or {}
+        size = self._sp.get_piece_size()
+        self._eos = special_id(self._specials, "eos", self._piece_id, size, self.model_path) if "eos" in \
+            self._specials else self._sp.eos_id()
+        self._bos = special_id(self._specials, "bos", self._piece_id, size, self.model_path) if "bos" in \
+            self._specials else self._sp.bos_id()
+        if self._eos < 0:
             raise DataError(f"tokenizer model {str(self.model_path)!r} has no end-of-sequence (eos) token")
         space_bytes = [self._sp.piece_to_id(f"<0x{b:02X}>") for b in _SPACE_PIECE.encode()]
         self._space_ids = space_bytes if self._sp.unk_id() not in space_bytes else None
@@ -77,12 +92,12 @@ class Tokenizer:
     @property
     def eos_id(self) -> int:
         """End-of-sequence id, appended after each document when packing."""
-        return self._sp.eos_id()
+        return self._eos
 
     @property
     def bos_id(self) -> int:
         """Beginning-of-sequence id (-1 if the model has none)."""
-        return self._sp.bos_id()
+        return self._bos
 
     @property
     def fingerprint(self) -> str:
@@ -115,11 +130,12 @@ class Tokenizer:
         return self._sp.id_to_piece(int(token_id))
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"model_path": str(self.model_path), "proto": self._sp.serialized_model_proto()}
+        return {"model_path": str(self.model_path), "proto": self._sp.serialized_model_proto(),
+                "specials": self._specials}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.model_path = Path(state["model_path"])
-        self._load(state["proto"])
+        self._load(state["proto"], state.get("specials"))
 
     def __repr__(self) -> str:
         return f"Tokenizer(model_path={str(self.model_path)!r}, vocab_size={self.vocab_size})"

@@ -6,12 +6,15 @@ Every line carries the rank, so interleaved output from many processes stays rea
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
+import time
 import traceback
 import warnings
 from collections.abc import Sequence
+from typing import TextIO
 
 import torch
 
@@ -19,7 +22,8 @@ from megazero.config.errors import ConfigError, ConfigWarning, UserError
 from megazero.distributed.context import TopologyError
 from megazero.distributed.failure import announce_failure, explain_peer_failure, is_peer_failure
 
-__all__ = ["DEBUG_ENV", "debug_requested", "get_logger", "log_warnings", "report_failure", "setup_logging"]
+__all__ = ["DEBUG_ENV", "debug_requested", "get_logger", "log_warnings", "report_failure", "setup_logging",
+           "write_line"]
 
 DEBUG_ENV = "MEGAZERO_DEBUG"  # non-empty and not "0": a failure prints its traceback too
 _SETTINGS = (ConfigError, TopologyError)  # a setting is wrong: the line says all, exit status 2 as argparse
@@ -74,8 +78,37 @@ def _one_line(e: BaseException) -> str | None:
     return None
 
 
+def write_line(text: str, stream: TextIO | None = None) -> None:
+    """``text`` and its newline on ``stream`` (stderr) in one write to the file descriptor, so that the lines of
+    ranks sharing a terminal or a pipe never run together (``print`` writes the text and the newline apart)."""
+    stream = stream or sys.stderr
+    data = (text + "\n").encode(getattr(stream, "encoding", None) or "utf-8", errors="replace")
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # a captured stream (pytest): no descriptor to share
+        stream.write(text + "\n")
+        stream.flush()
+        return
+    stream.flush()
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _tell_launcher(line: str) -> None:
+    """Under torchrun, ``line`` as this worker's error file (what ``@record`` writes): torchrun's closing summary then
+    shows it for each failed rank, and picks the earliest as its "Root Cause", instead of a pointer to its docs."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        try:
+            with open(path, "w") as f:
+                json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                      "timestamp": str(int(time.time()))}}}, f)
+        except OSError:
+            pass  # the summary is a courtesy; the line is on stderr already
+
+
 def report_failure(e: BaseException, rank: int | None = None, *, world_size: int = 1, timeout_s: float = 300.0,
-                   debug: bool = False, how_to_debug: str = f"{DEBUG_ENV}=1") -> int:
+                   debug: bool = False, how_to_debug: str = "--debug") -> int:
     """Print ``e`` as one line on this rank's stderr and return the exit status for it.
 
     A :class:`~megazero.config.errors.UserError` (and an ``OSError``, out of memory, Ctrl-C) is one line,
@@ -83,7 +116,8 @@ def report_failure(e: BaseException, rank: int | None = None, *, world_size: int
     naming the peer that failed or stopped (:func:`~megazero.distributed.failure.explain_peer_failure`); any
     other exception is a bug and prints its traceback before the line. In a world of several ranks the line is
     posted to the job's store too, so that the peers can name this rank. Exit status: 2 for settings
-    (``ConfigError``, ``TopologyError``: as argparse), 130 for Ctrl-C, else 1.
+    (``ConfigError``, ``TopologyError``: as argparse), 130 for Ctrl-C, else 1. The hint for the traceback is
+    ``how_to_debug``: ``--debug``, which every entry point takes.
     """
     if world_size > 1 and is_peer_failure(e):
         e = explain_peer_failure(e, rank or 0, world_size, timeout_s)
@@ -95,9 +129,10 @@ def report_failure(e: BaseException, rank: int | None = None, *, world_size: int
     elif not debug and not isinstance(e, (*_SETTINGS, KeyboardInterrupt)):
         line += f" [traceback: {how_to_debug}]"
     prefix = "error: " if rank is None else f"error (rank {rank}): "
+    write_line(prefix + line)  # first: a peer that reads the reason below must not print before this rank
+    _tell_launcher(prefix + line)
     if world_size > 1:
         announce_failure(rank or 0, line)
-    print(prefix + line, file=sys.stderr, flush=True)
     if isinstance(e, KeyboardInterrupt):
         return 130
     return 2 if isinstance(e, _SETTINGS) else 1

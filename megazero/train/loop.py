@@ -145,7 +145,8 @@ def run_training(cfg: Config, ctx: ParallelContext, device: torch.device | None 
     log = get_logger()
     t, m = cfg.training, cfg.model
     torch.manual_seed(t.seed)
-    tokenizer = resolve_tokenizer(cfg.data.paths, m.vocab_size, cfg.data.cache_dir, cfg.data.tokenizer)
+    tokenizer = resolve_tokenizer(cfg.data.paths, m.vocab_size, cfg.data.cache_dir, cfg.data.tokenizer,
+                                  rows_beyond_ok=t.init_from is not None or t.load is not None)  # a checkpoint's
     train_ds, eval_ds = build_datasets(cfg.data.paths, tokenizer, m.seq_len, cfg.data.cache_dir,
                                        cfg.data.eval_fraction)
     sampler = DistributedBatchSampler(len(train_ds), t.global_batch_size, t.micro_batch_size, ctx.dp_rank,
