@@ -10,6 +10,21 @@ import pytest
 # a rank does not own reads NaN after the collective, where gloo's fast path leaves it reduced and NCCL leaves it
 # local, so code reading it fails here rather than on a GPU (megazero/distributed/group.py)
 os.environ.setdefault("MEGAZERO_POISON_REDUCE_SCATTER", "1")
+# every test world and launched run computes fp32 matmuls in fp32 on a GPU: the recipe would otherwise turn TF32
+# back on in each rank from the config's --tf32 default, and parity at 1e-5 fails (megazero/train/recipe.py)
+os.environ.setdefault("MEGAZERO_TF32", "0")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    """A test skipped for want of CUDA is a GPU test: it joins ``-m gpu`` (the set bench/gpu_check.sh runs) even
+    where its file does not mark it. Runs before ``-m`` deselects."""
+    for item in items:
+        for mark in item.iter_markers("skipif"):
+            reason = str(mark.kwargs.get("reason", "")).lower()
+            if "cuda" in reason or "gpu" in reason:
+                item.add_marker(pytest.mark.gpu)
+                break
 
 
 @pytest.fixture(scope="session")

@@ -1,14 +1,23 @@
 """The one helper that starts gloo worlds on CPU for distributed tests.
 
-``run_world(fn, world_size, tp=.., pp=.., cp=..)`` forks ``world_size`` processes, gives each a process group over
+``run_world(fn, world_size, tp=.., pp=.., cp=..)`` starts ``world_size`` processes, gives each a process group over
 gloo and its :class:`~megazero.distributed.context.ParallelContext`, calls ``fn(ctx, *args)`` on every rank and
 returns the list of per-rank results (they must pickle). A rank that raises makes ``run_world`` raise with
 that rank's traceback; a world that does not finish within ``timeout`` is killed and reported.
 
-Forking is cheap (no re-import of torch) and each rank runs single-threaded, so many small worlds fit on
-two cores. Ranks end with ``os._exit`` after destroying their group, which sidesteps gloo's shutdown race.
+How ranks start (:func:`choose_start_method`): by fork on a machine without CUDA (cheap: no re-import of torch, and
+each rank runs single-threaded, so many small worlds fit on two cores); by forkserver wherever CUDA is available,
+for every world, CPU ones too. There, once any backward has run in the pytest process, autograd's device threads
+make a forked child die at its first backward ("Unable to handle autograd's threading in combination with
+fork-based multiprocessing"), and CUDA itself does not survive a fork. The fork server is started clean (an exec,
+torch preloaded, no CUDA), so its children start in about a second. ``MEGAZERO_TEST_START_METHOD`` (fork,
+forkserver or spawn) or ``run_world(..., start_method=...)`` picks one by hand, e.g. to check the non-fork path on
+a CPU machine. Outside fork, ``fn`` and its arguments must pickle (module-level functions); one that does not falls
+back to fork with a warning. Every rank starts from the parent's environment as it is when ``run_world`` is called
+(a fork server would otherwise keep the one it started with), so variables a test sets reach it. Ranks end with
+``os._exit`` after destroying their group, which sidesteps gloo's shutdown race.
 
-``cuda=True`` runs the world on the one CUDA device (spawned ranks; CUDA does not survive a fork): every
+``cuda=True`` runs the world on the one CUDA device (never forked; CUDA does not survive a fork): every
 group's device is that GPU, so model, activations and collective buffers live there and the device rule is
 enforced as under NCCL. The collectives still run over gloo (NCCL refuses two ranks on one GPU), which
 carries CUDA tensors for all-reduce, broadcast and all-gather/reduce-scatter; its send/receive do not, so
@@ -23,12 +32,15 @@ import pickle
 import queue
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 from megazero.distributed.group import Group, _Done
 
-__all__ = ["HostP2PGroup", "WorldError", "run_world"]
+__all__ = ["START_METHOD_ENV", "HostP2PGroup", "WorldError", "choose_start_method", "run_world"]
+
+START_METHOD_ENV = "MEGAZERO_TEST_START_METHOD"
 
 
 class WorldError(RuntimeError):
@@ -52,9 +64,45 @@ class HostP2PGroup(Group):
         return [_Done() for _ in ops]
 
 
+def choose_start_method(cuda: bool = False, requested: str | None = None) -> str:
+    """How a world's ranks start: ``requested``, else ``$MEGAZERO_TEST_START_METHOD``, else fork on a machine
+    without CUDA and forkserver on one with CUDA (module docstring). A CUDA world is never forked."""
+    method = requested or os.environ.get(START_METHOD_ENV) or None
+    if method is None:
+        import torch
+
+        method = "forkserver" if cuda or torch.cuda.is_available() else "fork"
+    if method not in ("fork", "forkserver", "spawn"):
+        raise ValueError(f"{START_METHOD_ENV}={method!r}: choose fork, forkserver or spawn")
+    if cuda and method == "fork":
+        raise ValueError("a cuda=True world cannot fork (CUDA does not survive a fork): use forkserver or spawn")
+    return method
+
+
+def _mp_context(method: str, picklable: tuple) -> mp.context.BaseContext:
+    """The multiprocessing context for ``method``; fork where the world's function or arguments do not pickle."""
+    if method != "fork":
+        try:
+            pickle.dumps(picklable)
+        except Exception as e:  # noqa: BLE001 - any pickling failure: lambdas, closures, local classes
+            if method == "forkserver" and not picklable[-1]:  # picklable[-1]: cuda
+                warnings.warn(f"run_world: {e}; forking instead of {method} (a child dies at its first backward if "
+                              "a backward already ran here on a machine with CUDA)", RuntimeWarning, stacklevel=3)
+                return mp.get_context("fork")
+            raise
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload([__name__])  # torch and megazero imported once, in the server (no CUDA there)
+    return ctx
+
+
 def _rank_main(rank: int, world_size: int, ports: mp.Queue, over: Any, grid_kwargs: dict, dist_timeout: float,
-               fn: Callable, args: tuple, kwargs: dict, results: mp.Queue, cuda: bool = False) -> None:
+               fn: Callable, args: tuple, kwargs: dict, results: mp.Queue, cuda: bool = False,
+               environ: dict[str, str] | None = None) -> None:
     code = 0
+    if environ is not None:  # the parent's environment at run_world time (a fork server's is older)
+        os.environ.clear()
+        os.environ.update(environ)
     try:
         import datetime
 
@@ -102,18 +150,21 @@ def _rank_main(rank: int, world_size: int, ports: mp.Queue, over: Any, grid_kwar
 
 def run_world(fn: Callable[..., Any], world_size: int, *args: Any, tp: int = 1, pp: int = 1,
               dp: int | None = None, cp: int = 1, timeout: float = 180.0, dist_timeout: float = 120.0, cuda: bool = False,
-              **kwargs: Any) -> list[Any]:
-    """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` forked gloo ranks; return results by rank.
+              start_method: str | None = None, **kwargs: Any) -> list[Any]:
+    """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` gloo ranks; return results by rank.
 
-    ``cuda=True``: spawned ranks sharing the one CUDA device (``fn`` and its arguments must pickle)."""
-    ctx_mp = mp.get_context("spawn" if cuda else "fork")
+    Ranks start as :func:`choose_start_method` says (fork without CUDA). ``cuda=True``: ranks sharing the one
+    CUDA device (forkserver or spawn; ``fn`` and its arguments must pickle)."""
+    method = choose_start_method(cuda, start_method)
+    ctx_mp = _mp_context(method, (fn, args, kwargs, cuda))
+    environ = None if ctx_mp.get_start_method() == "fork" else dict(os.environ)
     results: mp.Queue = ctx_mp.Queue()
     ports: mp.Queue = ctx_mp.Queue()  # rank 0's store port, bound to port 0 (no race), for the other ranks
     over = ctx_mp.Event()  # set when every rank has reported: rank 0 may close the store
     grid_kwargs = {"tp_size": tp, "pp_size": pp, "dp_size": dp, "cp_size": cp}
     procs = [
         ctx_mp.Process(target=_rank_main, args=(r, world_size, ports, over, grid_kwargs, dist_timeout, fn, args, kwargs,
-                                                results, cuda), daemon=True)
+                                                results, cuda, environ), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:

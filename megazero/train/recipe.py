@@ -126,10 +126,14 @@ def pipeline_p2p(cfg: Config, ctx: ParallelContext, virtual_stages: int, device:
 
 def apply_compile(chunks: list[GPT], cfg: Config, device: torch.device) -> None:
     """``torch.compile`` each block (``--compile``; ``MEGAZERO_COMPILE_BACKEND`` picks another backend, e.g.
-    ``aot_eager`` in tests), and set TF32 for fp32 matmuls on CUDA (``--no-tf32`` for exact fp32 parity)."""
+    ``aot_eager`` in tests), and set TF32 for fp32 matmuls on CUDA (``--no-tf32`` for exact fp32 parity).
+    ``MEGAZERO_TF32`` (0 or 1) wins over the config: the test harness sets 0 for every world and launched run
+    (tests/conftest.py), so parity worlds stay exact fp32 whatever their flags say."""
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = cfg.training.tf32
-        torch.backends.cudnn.allow_tf32 = cfg.training.tf32
+        env = os.environ.get("MEGAZERO_TF32", "")
+        tf32 = cfg.training.tf32 if env == "" else env != "0"
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
     if cfg.training.compile:
         backend = os.environ.get("MEGAZERO_COMPILE_BACKEND", "inductor")
         for chunk in chunks:
