@@ -1,5 +1,6 @@
-"""Context-parallel attention, like for like: megazero's ring and all-gather modes at cp 2 and 4 (gloo ranks on
-this CPU) against one process running ``scaled_dot_product_attention`` over the whole sequence, and torch's own
+"""Context-parallel attention, like for like: megazero's ring (its blocks through SDPA's fused kernel and
+through plain fp32 matmuls) and all-gather modes at cp 2 and 4 (gloo ranks on this CPU) against one process
+running ``scaled_dot_product_attention`` over the whole sequence, and torch's own
 ``torch.distributed.tensor.experimental.context_parallel`` at the same sizes where it runs.
 
     python bench/cp_attention.py                       # B 1, 8 heads of 64, S 2048, 5 repetitions
@@ -59,14 +60,14 @@ def _timed(fn, reps: int, sync) -> list[float]:
     return out
 
 
-def _megazero(ctx, mode: str, full, ref, reps: int) -> tuple[list[float], float]:
+def _megazero(ctx, mode: str, full, ref, reps: int, kernel: str = "auto") -> tuple[list[float], float]:
     n, r = ctx.cp_size, ctx.cp_rank
     q, k, v, dout = (shard_sequence(t, r, n, 2) for t in full)
     res = {}
 
     def step():
         qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
-        out = context_parallel_attention(qs, ks, vs, ctx.cp_group, mode=mode)
+        out = context_parallel_attention(qs, ks, vs, ctx.cp_group, mode=mode, kernel=kernel)
         out.backward(dout)
         res["got"] = (out.detach(), qs.grad, ks.grad, vs.grad)
 
@@ -115,8 +116,9 @@ def _rank(rank: int, n: int, port: int, args, queue) -> None:
         full = _inputs(args)
         ref = _reference(*full)
         rows = {}
-        for mode in ("ring", "allgather"):
-            rows[f"megazero {mode}"] = _megazero(ctx, mode, full, ref, args.reps)
+        for kernel in ("fused", "matmul"):  # the ring's blocks through SDPA's fused op, and the plain fp32 path
+            rows[f"megazero ring, {kernel} blocks"] = _megazero(ctx, "ring", full, ref, args.reps, kernel)
+        rows["megazero allgather"] = _megazero(ctx, "allgather", full, ref, args.reps)
         try:
             rows["torch context_parallel"] = _torch_cp(n, full, ref, args.reps)
         except Exception as e:  # noqa: BLE001 - reported, not hidden
