@@ -5,6 +5,9 @@ The inverse frequencies equal ``transformers``' own ``llama3`` rope bit for bit,
 its rotary pairs in all three regimes (kept, blended, stretched), and the same weights without scaling give
 other logits (the negative control). ``--init-from`` reads a scaled directory and the ``--format hf`` export
 writes the scaling back: config and tensors as they were, logits equal; other rope types are refused by name.
+In one 2-rank world: at tp 2 the logits and 8 greedy tokens equal ``LlamaForCausalLM``'s (logits and
+``generate``), and at cp 2 the first step's loss from the directory equals its loss on the same batch (each
+fails with the scaling read as none).
 """
 
 from __future__ import annotations
@@ -142,25 +145,78 @@ def test_other_rope_scalings_are_refused_naming_them(scaled_dir, tmp_path, rope,
     assert named in str(e.value), str(e.value)
 
 
-def _save_at_step_0(ctx, flags: list[str], out: str) -> None:
+def _tp2_cp2(ctx, flags: list[str], out: str, cache: str, prompt: list[int]) -> dict:
+    """At tp 2: save the engine built from the scaled directory at step 0 (each rank reads its slices), and the
+    logits and greedy tokens of the model loaded there at tp 2; at cp 2 (the same two ranks): the first step's
+    loss of a run from the directory."""
     from megazero.checkpoint import save_checkpoint
+    from megazero.distributed.context import ParallelContext, RankGrid
+    from megazero.generate import SamplingConfig, generate_ids, load_model
     from megazero.train.engine import Engine
+    from megazero.train.loop import run_training
 
-    cfg = configure_from_inputs(parse_args(flags)).resolve(ctx.world_size)
-    save_checkpoint(Engine(cfg, ctx), None, out, None)
+    cfg = configure_from_inputs(parse_args([*flags, "--tp", "2"])).resolve(ctx.world_size)
+    save_checkpoint(Engine(cfg, ctx), None, f"{out}/run", None)
+    model = load_model(flags[1], ctx.tp_group)
+    with torch.no_grad():
+        logits = model.full_logits(torch.tensor([prompt]))
+    tokens = generate_ids(model, prompt, SamplingConfig(8, temperature=0))
+    cp = ParallelContext.from_grid(RankGrid.from_world(ctx.world_size, cp_size=2))
+    run = [*flags, "--cp", "2", "--train-steps", "1", "--warmup-steps", "0", "--eval-interval", "0", "--cache-dir",
+           cache, "--log-dir", f"{out}/cp2"]
+    loss = run_training(configure_from_inputs(parse_args(run)).resolve(ctx.world_size), cp).losses[0]
+    return {"logits": logits, "tokens": tokens, "loss": loss}
 
 
-def test_round_trip_through_init_from_and_export_keeps_the_scaling(scaled_dir, tmp_path):
+@pytest.fixture(scope="module")
+def world(scaled_dir, data_cache, tmp_path_factory):
+    out = tmp_path_factory.mktemp("rope-world")
+    prompt = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    ranks = run_world(_tp2_cp2, 2, _init_flags(scaled_dir), str(out), data_cache, prompt, tp=2)
+    return {"out": out, "ranks": ranks, "prompt": prompt}
+
+
+def test_logits_and_greedy_tokens_at_tp2_equal_llama_for_causal_lm(scaled_dir, world):
+    reference = transformers.LlamaForCausalLM.from_pretrained(scaled_dir).eval()
+    prompt = torch.tensor([world["prompt"]])
+    with torch.no_grad():
+        logits = reference(prompt).logits
+        tokens = reference.generate(prompt, max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(prompt),
+                                    pad_token_id=0)[0, prompt.shape[1]:].tolist()
+    for rank, r in enumerate(world["ranks"]):
+        torch.testing.assert_close(r["logits"], logits, rtol=1e-5, atol=1e-5)
+        assert r["tokens"] == tokens, (rank, r["tokens"], tokens)
+
+
+def test_first_step_loss_at_cp2_equals_llama_for_causal_lm(scaled_dir, world, data_cache):
+    # the run's first global batch (2 samples of 64 tokens + 1, the documented data order) through the HF model
+    import numpy as np
+    import torch.nn.functional as F
+
+    from megazero.data import build_datasets, resolve_tokenizer
+    from tests.reference import RefSpec, reference_batches
+
+    train_ds, _ = build_datasets([], resolve_tokenizer([], 512, data_cache), 64, data_cache)
+    idx = reference_batches(len(train_ds), RefSpec(seq_len=64, global_batch=2), 1)[0]
+    batch = torch.stack([torch.as_tensor(np.asarray(train_ds[i]), dtype=torch.long) for i in idx])
+    reference = transformers.LlamaForCausalLM.from_pretrained(scaled_dir).eval()
+    with torch.no_grad():
+        logits = reference(batch[:, :-1]).logits
+    want = F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1)).item()
+    for rank, r in enumerate(world["ranks"]):
+        assert abs(r["loss"] - want) / want < 1e-5, (rank, r["loss"], want)
+
+
+def test_round_trip_through_init_from_and_export_keeps_the_scaling(scaled_dir, world, tmp_path):
     from safetensors.torch import load_file
 
     from megazero.generate import load_model
 
     # tp 2: each rank reads its slices of the scaled directory; the export merges them
-    run_world(_save_at_step_0, 2, _init_flags(scaled_dir, "--tp", "2"), str(tmp_path / "run"), tp=2)
     spec = importlib.util.spec_from_file_location("_convert_checkpoint", ROOT / "tools" / "convert_checkpoint.py")
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    assert tool.main([str(tmp_path / "run"), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
+    assert tool.main([str(world["out"] / "run"), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
     source, exported = (json.loads((d / "config.json").read_text()) for d in (scaled_dir, tmp_path / "hf"))
     assert exported["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
