@@ -195,3 +195,45 @@ def test_attention_over_a_split_sequence_equals_full_attention(name):
     # the same calls issued one operation at a time (send first) deadlock under NCCL's rules
     one_by_one = {rank: [[op] for call in log for op in call] for rank, log in logs.items()}
     assert not replay(one_by_one).completed
+
+
+# -- the CUDA kernels' calls: shapes on meta here, values on a GPU ----------------------------------------------
+def _block_operands(device: str, dtype: torch.dtype, g: int = 2, c: int = 16, d: int = 64):
+    gen = torch.Generator().manual_seed(7)
+    qa, dout = (torch.randn(1, 2, g, c, d, generator=gen).to(device, dtype) for _ in range(2))
+    kb, vb = (torch.randn(1, 2, c, d, generator=gen).to(device, dtype) for _ in range(2))
+    return qa, kb, vb, dout
+
+
+@pytest.mark.parametrize("kind, dtype", [("flash", torch.bfloat16), ("efficient", torch.float32)])
+def test_cuda_block_kernels_take_and_return_the_ring_layouts_on_meta(kind, dtype):
+    """The flash and memory-efficient calls (their argument order, the efficient kernel's padded log-sum-exp, the
+    backward's RNG placeholders) run through torch's meta kernels: every block shape the ring hands them."""
+    from megazero.context_parallel import ring
+
+    qa, kb, vb, dout = _block_operands("meta", dtype)
+    for diagonal in (True, False):
+        o, lse = ring._block_forward_fused(kind, qa, kb, vb, 0.125, diagonal)
+        assert o.shape == qa.shape and lse.shape == qa.shape[:-1] and lse.dtype == torch.float32
+        dq, dk, dv = ring._block_backward_fused(kind, qa, kb, vb, dout, o, lse, 0.125, diagonal)
+        assert dq.shape == qa.shape and dk.shape == dv.shape == kb.shape
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind, dtype, tol", [("flash", torch.bfloat16, 2e-2), ("efficient", torch.float32, 1e-4)])
+def test_cuda_block_kernels_equal_the_matmul_blocks(kind, dtype, tol):
+    """One block alone (its own output and log-sum-exp are then the merged ones): the fused CUDA kernel's output,
+    log-sum-exp and gradients equal the fp32 matmul block's, diagonal and full, grouped queries."""
+    from megazero.context_parallel import ring
+
+    qa, kb, vb, dout = _block_operands("cuda", dtype)
+    for diagonal in (True, False):
+        o, lse = ring._block_forward_fused(kind, qa, kb, vb, 0.125, diagonal)
+        q32, k32, v32 = (t.float().requires_grad_() for t in (qa, kb, vb))
+        o_ref, lse_ref = ring._block_forward(q32, k32, v32, 0.125, diagonal)
+        o_ref.backward(dout.float())
+        grads = ring._block_backward_fused(kind, qa, kb, vb, dout, o, lse, 0.125, diagonal)
+        torch.testing.assert_close(o.float(), o_ref.detach(), atol=tol, rtol=tol)
+        torch.testing.assert_close(lse, lse_ref.detach(), atol=tol, rtol=tol)
+        for got, want in zip(grads, (q32.grad, k32.grad, v32.grad)):
+            torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
