@@ -384,11 +384,12 @@ class GPT(nn.Module):
                 x = block(x)
         if not self.post_process:
             return x  # hidden states for the next stage
-        logits = self.output_layer.logits(self.ln_f(x))  # [B, S, V/tp]
+        head = self.output_layer
         if targets is None:
-            return logits
+            return head.logits(self.ln_f(x))  # [B, S, V/tp], padded entries at -inf
+        logits = head.logits(self.ln_f(x), mask_padding=False)  # the loss skips the padded columns itself
         # the logits are ours alone: the loss may overwrite them with their gradient in backward
-        return vocab_parallel_cross_entropy(logits, targets, self.tp_group, self.output_layer.vocab_start,
+        return vocab_parallel_cross_entropy(logits, targets, self.tp_group, head.vocab_start, head.vocab_size,
                                             inplace_backward=True)  # [B, S]
 
     def _decode(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:

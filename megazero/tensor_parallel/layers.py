@@ -278,12 +278,19 @@ class VocabParallelEmbedding(nn.Module):
             return reduce_scatter_to_sequence_parallel_region(out, self.tp_group)  # [B, S/tp, H]
         return reduce_from_tp_region(out, self.tp_group)  # [B, S, H]
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's vocabulary slice of ``x @ E^T``, padded entries at ``-inf``."""
+    @property
+    def local_real_vocab(self) -> int:
+        """How many of this rank's ``local_vocab`` columns are real words (the rest is padding)."""
+        return min(max(self.vocab_size - self.vocab_start, 0), self.local_vocab)
+
+    def logits(self, x: torch.Tensor, mask_padding: bool = True) -> torch.Tensor:
+        """This rank's vocabulary slice of ``x @ E^T``, padded entries at ``-inf`` unless ``mask_padding`` is
+        False: the loss is told the real vocabulary instead and never reads them, which saves a pass over the
+        logits (their values there are ``x @ 0``, finite)."""
         # [B, S, H] (SP: [B, S/tp, H] -> all-gather) -> [B, S, V/tp]
         logits = column_parallel_linear(x, self.weight, None, self.tp_group, self.sequence_parallel)
-        n_real = self.vocab_size - self.vocab_start
-        if n_real < self.local_vocab:
+        n_real = self.local_real_vocab
+        if mask_padding and n_real < self.local_vocab:
             mask = torch.arange(self.local_vocab, device=logits.device) >= n_real
             logits = logits.masked_fill(mask, float("-inf"))
         return logits
