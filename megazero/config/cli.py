@@ -113,6 +113,19 @@ def build_parser() -> argparse.ArgumentParser:
         "DP in (DeepSpeed: communication_data_type, data_types.grad_accum_dtype): auto is fp32 in bf16 (4 bytes per "
         "parameter, as Megatron-LM and DeepSpeed's bf16 optimizer) and the model dtype in fp16 (2 bytes, the ZeRO "
         "paper's 2Ψ); fp32; model", choices=("auto", "fp32", "model"))
+    add(g, "--ranks-per-node", "parallel.ranks_per_node", "ranks per node (consecutive ranks share a node): "
+        "ZeRO++'s node groups, the ledger's intra/inter-node bytes, the planner; None: torchrun's LOCAL_WORLD_SIZE "
+        "(one node without it); set it to simulate nodes on one machine", type=int)
+    add(g, "--zero-hpz-partition-size", "zero.zero_hpz_partition_size", "ZeRO++ hpZ (stage 3): keep a secondary "
+        "16-bit copy of the weights partitioned over this many ranks of a node, so backward gathers stay inside "
+        "the node (zero_optimization.zero_hpz_partition_size; 1: off)", type=int)
+    add(g, "--zero-quantized-weights", "zero.zero_quantized_weights", "ZeRO++ qwZ (stage 3): all-gather weights "
+        "block-quantized to INT8 (zero_optimization.zero_quantized_weights)", action="store_const", const=True)
+    add(g, "--zero-quantized-gradients", "zero.zero_quantized_gradients", "ZeRO++ qgZ (stages 2-3): reduce "
+        "gradients by a block-quantized intra-node then inter-node all-to-all (zero_optimization."
+        "zero_quantized_gradients)", action="store_const", const=True)
+    add(g, "--zero-quantized-gradients-bits", "zero.zero_quantized_gradients_bits", "qgZ's integer width",
+        type=int, choices=(4, 8))
     add(g, "--activation-checkpointing", "activation_checkpointing.mode", "recompute activations in backward",
         choices=CHECKPOINTING_MODES)
     add(g, "--backend", "parallel.backend", "torch.distributed backend; None picks nccl on CUDA, else gloo",

@@ -115,8 +115,8 @@ def merge_with_flags(ds: DeepSpeedSettings, explicit: Mapping[str, Any], flags: 
     if said:
         _warn(f"{', '.join(said)} {'has' if len(said) == 1 else 'have'} no effect at ZeRO stage {stage} and "
               f"{'is' if len(said) == 1 else 'are'} ignored, as DeepSpeed ignores "
-              f"{'it' if len(said) == 1 else 'them'} (offload_optimizer needs stage 1 or more, offload_param and "
-              "stage3_* need stage 3)")
+              f"{'it' if len(said) == 1 else 'them'} (offload_optimizer needs stage 1 or more, offload_param, "
+              "stage3_* and ZeRO++'s zero_hpz_partition_size/zero_quantized_* need stage 3)")
     return merged
 
 
@@ -126,7 +126,8 @@ _COSMETIC = frozenset({"logging.log_interval"})
 _MIN_STAGE = {"zero.offload_optimizer": 1, "zero.offload_optimizer_pin_memory": 1, "zero.offload_param": 3,
               "zero.offload_param_pin_memory": 3, "zero.stage3_prefetch_bucket_size": 3,
               "zero.stage3_param_persistence_threshold": 3, "zero.stage3_max_live_parameters": 3,
-              "zero.stage3_max_reuse_distance": 3}
+              "zero.stage3_max_reuse_distance": 3, "zero.zero_hpz_partition_size": 3,
+              "zero.zero_quantized_weights": 3, "zero.zero_quantized_gradients": 3}
 
 
 def _classify(block: Mapping[str, Any], prefix: str) -> None:
@@ -265,6 +266,9 @@ def _map(raw: Mapping[str, Any], out: DeepSpeedSettings) -> None:
                 "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance"):
         _put(out, zero, z, key, f"zero.{key}", _int)
     for key in ("overlap_comm", "reduce_scatter", "contiguous_gradients"):
+        _put(out, zero, z, key, f"zero.{key}", _bool)
+    _put(out, zero, z, "zero_hpz_partition_size", "zero.zero_hpz_partition_size", _int)  # ZeRO++
+    for key in ("zero_quantized_weights", "zero_quantized_gradients"):
         _put(out, zero, z, key, f"zero.{key}", _bool)
     for what in ("offload_optimizer", "offload_param"):  # device "none" (DeepSpeed's default): no offload
         off = zero.get(what) or {}

@@ -38,7 +38,7 @@ Cfg = TypeVar("Cfg")  # a megazero.config.schema.Config
 
 # Choices shared by the command line (megazero.config.cli) and validation
 ARCHS = ("gpt2", "llama")  # the model families (ModelConfig.arch)
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # zb-h1: zero-bubble, split backward (pipeline/)
 CP_ATTENTION_MODES = ("ring", "allgather")  # megazero.context_parallel's modes (a test holds them equal)
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "adamw")
@@ -183,12 +183,16 @@ def resolve_config(cfg: Cfg, world_size: int, device_type: str = "cpu") -> Cfg:
 
     # Precision and fp16 loss scaling; device-dependent defaults.
     _choice("device type", device_type, ("cpu", "cuda"))
+    split = cfg.parallel.pp_size > 1 and cfg.parallel.pp_schedule in ("zb-h1", "zbv")  # B/W split backward
     t = replace(t, precision=t.precision or ("bf16" if device_type == "cuda" else "fp32"),
-                compile=device_type == "cuda" and cfg.zero.stage != 3 if t.compile is None else t.compile)
+                compile=(device_type == "cuda" and cfg.zero.stage != 3 and not split) if t.compile is None
+                else t.compile)
     _choice("--precision", t.precision, PRECISIONS)
     _require(t.peak_tflops is None or t.peak_tflops > 0, f"--peak-tflops must be positive, got {t.peak_tflops}")
     _require(not (t.compile and cfg.zero.stage == 3), "--compile with --zero-stage 3 is not supported yet (stage "
              "3's gather/release hooks sit inside the compiled blocks); pass --no-compile")
+    _require(not (t.compile and split), f"--compile with --pp-schedule {cfg.parallel.pp_schedule} is not supported "
+             "yet (the split backward's deferring linears sit inside the compiled blocks); pass --no-compile")
     ls = cfg.loss_scale
     if t.precision == "fp16":
         _require(ls.loss_scale >= 0, f"fp16.loss_scale must be >= 0 (0 is dynamic), got {ls.loss_scale}")
@@ -225,6 +229,7 @@ def resolve_config(cfg: Cfg, world_size: int, device_type: str = "cpu") -> Cfg:
              f"(--zero-stage 3), got stage {z.stage}")
     _require(z.offload_optimizer is None or z.stage >= 1, "zero_optimization.offload_optimizer needs ZeRO "
              "stage >= 1 (--zero-stage)")
+    _check_zeropp(cfg, world_size)
     ac = cfg.activation_checkpointing
     _choice("--activation-checkpointing", ac.mode, CHECKPOINTING_MODES)
     _require(ac.mode != "none" or not (ac.partition_activations or ac.cpu_checkpointing),
@@ -258,6 +263,36 @@ def resolve_config(cfg: Cfg, world_size: int, device_type: str = "cpu") -> Cfg:
                        scheduler=replace(s, decay_steps=decay_steps))
     _check_not_yet_supported(resolved)
     return resolved
+
+
+def _check_zeropp(cfg: Any, world_size: int) -> None:
+    """ZeRO++ settings that cannot apply fail here, one line each naming the fix (megazero/zero/qgz.py)."""
+    z, p = cfg.zero, cfg.parallel
+    rpn = p.ranks_per_node
+    _require(rpn is None or (rpn >= 1 and world_size % rpn == 0),
+             f"--ranks-per-node {rpn} does not divide the world size {world_size}; launch whole nodes")
+    _require(z.zero_hpz_partition_size >= 1, "--zero-hpz-partition-size (zero_optimization.zero_hpz_partition_size) "
+             f"must be >= 1, got {z.zero_hpz_partition_size}")
+    _require(z.zero_hpz_partition_size == 1 or z.stage == 3, f"--zero-hpz-partition-size "
+             f"{z.zero_hpz_partition_size} (hpZ) partitions ZeRO-3's weights: use --zero-stage 3, got {z.stage}")
+    _require(not z.zero_quantized_weights or z.stage == 3, "--zero-quantized-weights (qwZ) quantizes ZeRO-3's "
+             f"weight all-gathers: use --zero-stage 3, got {z.stage}")
+    _require(not z.zero_quantized_gradients or z.stage >= 2, "--zero-quantized-gradients (qgZ) replaces the "
+             f"gradient reduce-scatter of ZeRO stages 2-3: use --zero-stage 2 or 3, got {z.stage}")
+    _require(not z.zero_quantized_gradients or z.stage == 3, "--zero-quantized-gradients (qgZ) at ZeRO stage 2 is "
+             "not supported yet by megazero (stage 3 is); use --zero-stage 3 or drop the flag")
+    _require(not z.zero_quantized_gradients or z.reduce_scatter, "--zero-quantized-gradients (qgZ) replaces the "
+             "reduce-scatter: drop zero_optimization.reduce_scatter false")
+    _choice("--zero-quantized-gradients-bits", z.zero_quantized_gradients_bits, (4, 8))
+    if z.zero_hpz_partition_size > 1 or z.zero_quantized_gradients:
+        local = (rpn or int(os.environ.get("LOCAL_WORLD_SIZE") or world_size))
+        dp = p.dp_size or world_size // (p.tp_size * p.pp_size * p.cp_size)
+        # the ZeRO (dp x cp) group of rank 0 (TP fastest, then CP, then DP): its members on the first node
+        zero_per_node = sum((d * p.cp_size + c) * p.tp_size < local for d in range(dp) for c in range(p.cp_size))
+        _require(z.zero_hpz_partition_size == 1 or zero_per_node % z.zero_hpz_partition_size == 0,
+                 f"--zero-hpz-partition-size {z.zero_hpz_partition_size} does not divide the {zero_per_node} ZeRO "
+                 f"(dp x cp) ranks per node (--ranks-per-node {local} with tp {p.tp_size}); "
+                 f"use a divisor of {zero_per_node}")
 
 
 def _check_family(m: Any, tp: int) -> None:

@@ -161,6 +161,7 @@ class ParallelConfig:
     pp_layout: list[int] | None = None  # layers per (virtual) stage; None: balanced
     backend: str | None = None  # None: nccl on CUDA, gloo on CPU
     dist_timeout_s: float = 300.0
+    ranks_per_node: int | None = None  # None: torchrun's LOCAL_WORLD_SIZE (one node without it); ZeRO++, planner
 
 
 @dataclass
@@ -187,6 +188,11 @@ class ZeroConfig:
     offload_param_pin_memory: bool = False  # zero_optimization.offload_param.pin_memory
     max_inflight_buckets: int = 2  # stage 2: buckets being filled or reduced at once (staging buffers)
     grad_dtype: str = "auto"  # accumulate/reduce gradients in: auto (fp32 for bf16, else model), fp32, model
+    # ZeRO++ (megazero/zero/stage3/hpz.py, megazero/zero/qgz.py)
+    zero_hpz_partition_size: int = 1  # hpZ: ranks of a node over which a secondary 16-bit copy is partitioned
+    zero_quantized_weights: bool = False  # qwZ: INT8 block-quantized weight all-gathers (stage 3)
+    zero_quantized_gradients: bool = False  # qgZ: block-quantized hierarchical all-to-all gradients (stages 2-3)
+    zero_quantized_gradients_bits: int = 4  # qgZ's INT4, or INT8
 
     def bucket_numel(self, psi: int, dp_size: int) -> int:
         """Elements per gradient bucket for a rank holding ``psi`` trainable parameters in a DP group of

@@ -104,6 +104,7 @@ def wrap_for_zero(chunks: list[GPT], cfg: Config, ctx: ParallelContext, param_in
     for chunk in chunks:
         if chunk.post_process and not chunk.pre_process and tied:
             norm_counted[chunk.wte.weight] = False
+    ctx.configure_nodes(cfg.parallel.ranks_per_node, cfg.zero.zero_hpz_partition_size)  # ZeRO++'s node groups
     optimizer = ZeroOptimizer(
         model, cfg.zero, cfg.optimizer, dp_group=ctx.dp_cp_group, reduce_group=ctx.zero_reduce_group,
         norm_group=ctx.mp_group, norm_counted=norm_counted,

@@ -27,6 +27,11 @@ it again for its backward).
 drains the pool. :meth:`GatherScheduler.gather_all` (``gathered_parameters()``) allocates instead, so holding
 the whole model once never leaves the pool that large.
 
+**ZeRO++** (:mod:`.hpz`): with hpZ a forward gather also stores this rank's secondary slice and a backward
+gather of a unit whose slice is current runs over the node's hpZ group; with qwZ the gathers over the whole group
+are INT8-quantized. Gathers outside the step's passes (``gathered_parameters()``, :meth:`GatherScheduler.walk`
+for export) are always exact 16-bit gathers over the whole group and leave the secondary partition alone.
+
 **Outside the step.** Evaluation and sampling run the model's forward with the same hooks (no graph: nothing is
 kept for a backward) and follow the traced forward. :meth:`GatherScheduler.walk` serves export and the
 tied-embedding check: one unit at a time, the next prefetched, checked once per walk.
@@ -40,6 +45,7 @@ import torch
 
 from megazero.distributed import device_io
 from megazero.distributed.group import Group
+from megazero.zero.stage3.hpz import QuantizedGather, SecondaryShards, Then, WeightComm
 from megazero.zero.stage3.slots import SlotPool
 from megazero.zero.stage3.units import Unit
 
@@ -68,8 +74,12 @@ class GatherScheduler:
     """Gathers and releases :class:`Unit` buffers over ``dp_group`` (see the module docstring)."""
 
     def __init__(self, units: list[Unit], dp_group: Group, device: torch.device, placeholder: torch.Tensor,
-                 slots: SlotPool, *, prefetch_numel: int, max_live: int, reuse_distance: int) -> None:
+                 slots: SlotPool, *, prefetch_numel: int, max_live: int, reuse_distance: int,
+                 comm: WeightComm | None = None) -> None:
         self.units, self.dp_group, self.device, self.placeholder = units, dp_group, device, placeholder
+        self.comm = comm or WeightComm()  # ZeRO++: hpZ's group, qwZ (:mod:`.hpz`)
+        self.secondary = (SecondaryShards(units, self.comm.hpz, placeholder.dtype, device)
+                          if self.comm.hpz is not None and units else None)
         self.slots = slots  # the persistent buffers gathered units borrow (:mod:`.slots`)
         self.prefetch_numel, self.max_live, self.reuse_distance = prefetch_numel, max_live, reuse_distance
         self.live = 0  # elements gathered (or being gathered) right now
@@ -172,9 +182,27 @@ class GatherScheduler:
         self.gathered[unit.uid] = unit
         self.live += unit.numel
         self.peak_live = max(self.peak_live, self.live)
+        sec = self.secondary if self.phase != HOLD else None
+        if sec is not None and self.phase == BWD and sec.fresh(unit):  # hpZ: inside the node
+            unit.work = sec.gather(unit)
+            return
         shard = device_io.to_device(unit.shard, self.device)  # from host memory with offload_param
+        after = (lambda: sec.store(unit)) if sec is not None else None
+        if self.comm.quantized and self.phase != HOLD:  # qwZ
+            unit.work = QuantizedGather(self.dp_group, unit, shard, self.comm.block, after)
+            return
         # the device copy of an offloaded shard lives until the gather is waited on, as under NCCL
-        unit.work = _Holding(self.dp_group.all_gather_into(unit.full, shard, tag="param", async_op=True), shard)
+        work = _Holding(self.dp_group.all_gather_into(unit.full, shard, tag="param", async_op=True), shard)
+        unit.work = Then(work, after) if after is not None else work
+
+    def held(self) -> list[torch.Tensor]:
+        """Buffers held beyond the units' own: hpZ's secondary partition."""
+        return [self.secondary.flat] if self.secondary is not None else []
+
+    def invalidate(self) -> None:
+        """The primary shards changed (an optimizer step): hpZ's secondary slices are stale until re-stored."""
+        if self.secondary is not None:
+            self.secondary.invalidate()
 
     def done_with(self, unit: Unit, reused: bool) -> None:
         """A forward of ``unit`` finished: keep it for its imminent ``reused`` backward, or release it."""

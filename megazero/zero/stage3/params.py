@@ -57,6 +57,7 @@ from megazero.distributed import device_io
 from megazero.distributed.group import Group
 from megazero.zero.bucketed import BucketedParams, FlatLayout, OwnedSegment, set_data
 from megazero.zero.stage3.gather import BWD, FWD, GatherOrderError, GatherScheduler
+from megazero.zero.stage3.hpz import zeropp_comm
 from megazero.zero.stage3.slots import SlotPool
 from megazero.zero.stage3.units import PreBackward, Unit, collect_units, model_chunks, saves_storage
 
@@ -76,6 +77,7 @@ class Stage3Params:
         # gradient reductions go over their own communicator (on NCCL its own stream), apart from the gathers
         self.reduce_group = reduce_group or dp_group
         self.overlap_comm, self.reduce_scatter = cfg.overlap_comm, cfg.reduce_scatter
+        self.comm, self.qgz = zeropp_comm(cfg, dp_group, self.reduce_group)  # ZeRO++: hpZ, qwZ; qgZ (None: off)
         self.grad_dtype = grad_dtype or dtype  # the optimizer's --grad-dtype (fp32 in bf16 by default)
         narrow = dtype.itemsize < self.grad_dtype.itemsize
         self.stage_dtype = dtype if narrow else self.grad_dtype  # local gradients are staged exactly
@@ -131,7 +133,7 @@ class Stage3Params:
             self.units, dp_group, self.device, self._placeholder, self.slots,
             prefetch_numel=cfg.stage3_prefetch_bucket_size,
             max_live=cfg.stage3_max_live_parameters,
-            reuse_distance=cfg.stage3_max_reuse_distance)
+            reuse_distance=cfg.stage3_max_reuse_distance, comm=self.comm)
         self._install_hooks()
         self._in_backward = False
         self._touched: set[int] = set()  # chunks this backward ran through
@@ -323,7 +325,7 @@ class Stage3Params:
         n = b - a
         mine = flat[self.rank * n: (self.rank + 1) * n]
         if self.reduce_scatter:
-            work = self.reduce_group.reduce_scatter(mine, flat, tag="grad", async_op=True)
+            work = (self.qgz or self.reduce_group).reduce_scatter(mine, flat, tag="grad", async_op=True)
         else:
             work = self.reduce_group.all_reduce(flat, tag="grad", async_op=True)
         self._inflight.append((work, unit, flat, mine, a, first, slot))
@@ -405,6 +407,7 @@ class Stage3Params:
 
     def after_step(self) -> None:
         """Gathered parameters need nothing (the next forward gathers them); persistent ones are all-gathered."""
+        self.sched.invalidate()  # hpZ's secondary copy is stale until then
         for store in self.persistent:
             if store is not None:
                 store.after_step()
@@ -458,7 +461,7 @@ class Stage3Params:
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The buffers this store holds right now, by model-state category (released units hold 0 bytes)."""
-        params = [self.shard_flat] + [u.full for u in self.units]
+        params = [self.shard_flat] + [u.full for u in self.units] + self.sched.held()  # + hpZ's secondary
         grads = [u.grad for u in self.units] + self._held_staging()
         comm: list[torch.Tensor] = self.slots.held()  # idle slots; the persistent parameters' staging pools
         for store in self.persistent:
