@@ -43,6 +43,7 @@ class _Block(nn.Module):
         b, s, h = x.shape
         kv = self.kv_heads * self.head_dim
         q, k, v = self.qkv(F.rms_norm(x, (h,), self.attn_norm, self.eps)).split([h, kv, kv], dim=-1)
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # bf16 under autocast: q, k keep the projection's dtype
         q = _rotate(q.view(b, s, self.heads, self.head_dim).transpose(1, 2), cos, sin)
         k = _rotate(k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
         v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -76,8 +77,7 @@ class PlainLlama(nn.Module):
     def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         s = ids.shape[1]
         x = self.wte(ids)
-        dtype = torch.get_autocast_dtype(ids.device.type) if torch.is_autocast_enabled(ids.device.type) else x.dtype
-        cos, sin = self.cos[:s].to(dtype), self.sin[:s].to(dtype)  # q, k come out of the projection in this dtype
+        cos, sin = self.cos[:s], self.sin[:s]
         for block in self.blocks:
             x = block(x, cos, sin)
         x = F.rms_norm(x, (x.shape[-1],), self.norm, self.eps)
