@@ -48,7 +48,7 @@ def _plan(schedule: str, pp: int, m: int, v: int, evaluate: bool, paired: bool) 
     return calls
 
 
-CASES = [(s, pp, v, m) for pp in (2, 4) for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
+CASES = [(s, pp, v, m) for pp in (2, 4) for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
          for m in range(1, 2 * pp + 2) if s != "interleaved" or m % pp == 0]
 
 

@@ -12,13 +12,20 @@ flight (the estimator, :func:`megazero.plan.estimate.peak_bytes`, holds none at 
 
 Counting saved activations costs a Python call per saved tensor; ``measure=False`` (the trainer's unlogged
 steps) skips it, leaving ``peak_activation_bytes`` None.
+
+**Split backward** (``split=True``, the zero-bubble schedules): a ``B`` action runs the optimizer's
+``backward_input`` (the stage input's gradient, sent upstream at the next transfer point; the weight-gradient
+work is stashed per (micro-batch, chunk), :mod:`megazero.tensor_parallel.weight_grad`) and a ``W`` action its
+``backward_weight`` (gradients accumulated, ZeRO's hooks fire). The W stash's bytes (layer inputs and output
+gradients kept for the weight GEMMs, kept gradients of the small parameters) count as activations from B to W.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -29,13 +36,24 @@ from megazero.observe.memory import ActivationMemoryCounter
 from megazero.pipeline.p2p import PipelineP2P, action_transfers, forward_actions, transfer_plan
 from megazero.pipeline.partition import StageSpec
 from megazero.pipeline.schedules import Action
+from megazero.tensor_parallel.weight_grad import WeightGradStore, WeightWork
 
-__all__ = ["PipelineExecutor", "RunStats"]
+__all__ = ["PipelineExecutor", "RunStats", "SplitBackward"]
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]
 # backward(output, grad): grad None means ``output`` is this micro-batch's (scalar) share of the loss; else
 # ``output`` is the gradient edge of a stage output already sent and freed (torch.autograd.backward takes either)
 BackwardFn = Callable[[torch.Tensor | GradientEdge, torch.Tensor | None], None]
+
+
+class SplitBackward(Protocol):
+    """The two halves of a split backward (``ZeroOptimizer.backward_input`` / ``backward_weight``)."""
+
+    def backward_input(self, store: WeightGradStore, output: torch.Tensor | GradientEdge, grad: torch.Tensor | None,
+                       inp: torch.Tensor | None, params: Sequence[nn.Parameter]
+                       ) -> tuple[torch.Tensor | None, WeightWork]: ...
+
+    def backward_weight(self, work: WeightWork, order: Sequence[nn.Parameter]) -> None: ...
 
 
 @dataclass
@@ -49,8 +67,15 @@ class PipelineExecutor:
     """Executes schedule timelines over this rank's model chunks."""
 
     def __init__(self, chunks: list[nn.Module], specs: list[StageSpec], p2p: PipelineP2P | None,
-                 pp_rank: int, pp_size: int, device: torch.device) -> None:
+                 pp_rank: int, pp_size: int, device: torch.device, split: bool = False) -> None:
         self.chunks = chunks
+        # split backward: the chunks' parameters lead their Functions to the store; W accumulates in the order
+        # an ordinary backward would (reverse registration: ZeRO's buckets and units)
+        self.wgrad = WeightGradStore() if split else None
+        self.params = [list(c.parameters()) for c in chunks]
+        self.order = [p[::-1] for p in self.params]
+        if self.wgrad is not None:
+            self.wgrad.attach([p for ps in self.params for p in ps])
         self.specs = specs
         self.p2p = p2p
         self.pp_rank = pp_rank
@@ -59,12 +84,16 @@ class PipelineExecutor:
         self.counters = [ActivationMemoryCounter(c) for c in chunks]
 
     def run(self, actions: list[Action], micro_batches: list[MicroBatch], loss_divisor: torch.Tensor | float,
-            backward: BackwardFn | None, units: list[list[int]] | None = None, measure: bool = True) -> RunStats:
+            backward: BackwardFn | None, units: list[list[int]] | None = None, measure: bool = True,
+            split: SplitBackward | None = None) -> RunStats:
         """Run ``actions``, communicating between the ``units`` of actions as
         :func:`~megazero.pipeline.p2p.transfer_plan` says (default: between every two actions).
 
         ``backward`` None runs the forwards only (evaluation, no graph kept), in the schedule's order, each
-        forward its own unit. ``measure`` counts the saved activations (module docstring)."""
+        forward its own unit. ``measure`` counts the saved activations (module docstring). ``split`` runs the
+        B and W actions of a split-backward executor (module docstring)."""
+        if backward is not None and (self.wgrad is not None) != (split is not None):
+            raise ValueError("a split-backward executor runs B and W through split=, and only it")
         v = len(self.chunks)
         if backward is None:
             actions, units = forward_actions(actions), None
@@ -72,6 +101,7 @@ class PipelineExecutor:
         if isinstance(loss_divisor, torch.Tensor):  # the per-token loss is fp32: divide in fp32, on the device
             loss_divisor = loss_divisor.to(self.device, torch.float32)
         stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor | GradientEdge, int]] = {}
+        wstash: dict[tuple[int, int], tuple[WeightWork, int]] = {}  # B done, W not yet: its work and bytes
         outbox: dict[tuple[str, int, int], torch.Tensor] = {}  # produced, sent at the next point
         inbox: dict[tuple[str, int, int], torch.Tensor] = {}
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -108,15 +138,39 @@ class PipelineExecutor:
                     live += 1 / v
                     live_bytes += counter.last
                     peak, peak_bytes = max(peak, live), max(peak_bytes, live_bytes)
-            else:
+            elif a.kind == "B":
                 inp, out, nbytes = stash.pop((a.micro_batch, a.chunk))
-                backward(out, None if recv is None else inbox.pop(recv.key))
+                grad = None if recv is None else inbox.pop(recv.key)
+                if split is not None:
+                    grad_in, work = split.backward_input(self.wgrad, out, grad, inp, self.params[a.chunk])
+                    wbytes = _stash_bytes(work) if measure else 0
+                    wstash[(a.micro_batch, a.chunk)] = (work, wbytes)
+                    live_bytes += wbytes
+                    peak_bytes = max(peak_bytes, live_bytes - nbytes)
+                else:
+                    backward(out, grad)
+                    grad_in = inp.grad if inp is not None else None
                 if send is not None:
-                    outbox[send.key] = inp.grad
+                    outbox[send.key] = grad_in
+                del out, grad, inp
                 live -= 1 / v
                 live_bytes -= nbytes
+            else:
+                work, wbytes = wstash.pop((a.micro_batch, a.chunk))
+                split.backward_weight(work, self.order[a.chunk])
+                live_bytes -= wbytes
         for call in plan[-1]:
             self.p2p.exchange(call, outbox)
         assert not stash, f"schedule left micro-batches without backward: {sorted(stash)}"
+        assert not wstash, f"schedule left micro-batches without W: {sorted(wstash)}"
         assert not outbox and not inbox, f"transfers left over: {sorted(outbox)} {sorted(inbox)}"
         return RunStats(loss_sum=loss_sum, peak_in_flight=peak, peak_activation_bytes=peak_bytes if measure else None)
+
+
+def _stash_bytes(work: WeightWork) -> int:
+    """Bytes of the distinct storages a W stash holds (a tensor saved in forward and kept for W counts here
+    too: it stays alive past B for W)."""
+    seen: dict[int, int] = {}
+    for t in work.stashed_tensors():
+        seen.setdefault(device_io.storage_key(t), t.untyped_storage().nbytes())
+    return sum(seen.values())

@@ -56,7 +56,10 @@ def forward_actions(actions: Sequence[Action]) -> list[Action]:
 
 def action_transfers(a: Action, pp_rank: int, pp_size: int,
                      virtual_stages: int) -> tuple[Transfer | None, Transfer | None]:
-    """(the receive action ``a`` needs before it runs, the send it produces) on rank ``pp_rank``."""
+    """(the receive action ``a`` needs before it runs, the send it produces) on rank ``pp_rank``; a W
+    (the weight-gradient half of a split backward) has neither."""
+    if a.kind == "W":
+        return None, None
     vs, last = a.chunk * pp_size + pp_rank, pp_size * virtual_stages - 1
     nxt, prv = (pp_rank + 1) % pp_size, (pp_rank - 1) % pp_size
     next_chunk = a.chunk + (1 if pp_rank == pp_size - 1 else 0)

@@ -10,15 +10,31 @@ micro-batches without any wall clock.
   Holds at most ``pp - rank`` micro-batches' activations; same bubble as GPipe, (p - 1) / m.
 * ``interleaved``: 1F1B over V model chunks per rank (Megatron-LM); the bubble shrinks to (1/V)(p - 1)/m.
   Needs m divisible by pp.
+* ``zb-h1`` and ``zbv``: zero-bubble schedules (Qi et al., arXiv 2401.10241 and 2405.15362). The backward is
+  split: ``B`` computes the input gradient only (sent upstream at once), ``W`` the weight gradients, later, in
+  the slots where 1F1B idles. Built by :func:`_zero_bubble`, a unit-cost list scheduler over every rank at
+  once (F = B = W): a rank runs a ready ``B`` first, else a forward while it holds fewer than 1F1B's
+  ``pp - rank`` micro-batches between F and B and fewer than ``min(pp + 1, pp - rank + 3)`` between F and W,
+  else its oldest pending ``W``. A W stash (each linear's input and output gradient) weighs about what a
+  micro-batch saves for its backward, so no rank holds more than 1F1B's first stage plus one micro-batch, and
+  the last stage (whose micro-batches are the heaviest: the logits) at most three W stashes beyond its own
+  1F1B count. ``zb-h1`` keeps 1F1B's stage layout and cuts the bubble to 1/3 to 4/9 of 1F1B's at pp 4.
+  ``zbv`` runs two chunks per rank in a V (rank r holds virtual stages r and 2p - 1 - r, so the first and
+  the last stage sit on rank 0 and the turn at rank p - 1 needs no transfer) with at most 2p chunk
+  activations between F and W per rank, 1F1B's peak, and about 2/9 of 1F1B's bubble at pp 4.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
-__all__ = ["SCHEDULES", "Action", "ScheduleError", "SimResult", "build_schedule", "simulate", "transfer_units"]
+__all__ = ["SCHEDULES", "SPLIT_SCHEDULES", "Action", "ScheduleError", "SimResult", "build_schedule", "simulate",
+           "transfer_units", "virtual_stage"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+SPLIT_SCHEDULES = ("zb-h1", "zbv")  # their backward is split into B (input gradient) and W (weight gradients)
+W_SLACK = 3  # zb-h1: W stashes a rank may hold beyond its 1F1B in-flight micro-batches (and at most p + 1 in all)
 
 
 class ScheduleError(ValueError):
@@ -27,9 +43,69 @@ class ScheduleError(ValueError):
 
 @dataclass(frozen=True)
 class Action:
-    kind: str  # "F" or "B"
+    kind: str  # "F", "B" (the whole backward; in SPLIT_SCHEDULES the input gradient only) or "W"
     micro_batch: int
-    chunk: int = 0  # model chunk on this rank (virtual stage chunk * pp + rank)
+    chunk: int = 0  # model chunk on this rank (virtual stage: :func:`virtual_stage`)
+
+
+def virtual_stage(name: str, pp: int, rank: int, chunk: int) -> int:
+    """The virtual stage that chunk ``chunk`` of rank ``rank`` runs: ``chunk * pp + rank`` (Megatron-LM's
+    interleaving), or for ``zbv`` the V: chunk 0 is stage ``rank``, chunk 1 stage ``2 pp - 1 - rank``."""
+    if name == "zbv":
+        return rank if chunk == 0 else 2 * pp - 1 - rank
+    return chunk * pp + rank
+
+
+@functools.lru_cache(maxsize=64)
+def _zero_bubble(name: str, pp: int, m: int) -> tuple[tuple[Action, ...], ...]:
+    """Every rank's timeline of a zero-bubble schedule, placed by a list scheduler in unit time (module
+    docstring). Pure and deterministic: every rank computes the same plan and takes its own row."""
+    v = 2 if name == "zbv" else 1
+    n = pp * v
+    rank_of, chunk_of = {}, {}
+    for r in range(pp):
+        for c in range(v):
+            vs = virtual_stage(name, pp, r, c)
+            rank_of[vs], chunk_of[vs] = r, c
+    own = [[vs for vs in range(n) if rank_of[vs] == r] for r in range(pp)]
+    in_fb, in_fw = ((lambda r: 2 * pp), (lambda r: 2 * pp)) if v == 2 else (
+        (lambda r: pp - r), (lambda r: min(pp + 1, pp - r + W_SLACK)))
+    done: dict[tuple[str, int, int], int] = {}
+    next_f, next_b = [0] * n, [0] * n
+    pending_w: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
+    held_fb, held_fw = [0] * pp, [0] * pp
+    out: list[list[Action]] = [[] for _ in range(pp)]
+    left, t = 3 * m * n, 0
+    while left:
+        for r in range(pp):  # every action takes one tick: each rank starts at most one per tick
+            b = [vs for vs in own[r] if next_b[vs] < m and done.get(
+                ("B", next_b[vs], vs + 1) if vs < n - 1 else ("F", next_b[vs], vs), t + 1) <= t]
+            f = [vs for vs in own[r] if next_f[vs] < m and (vs == 0 or done.get(("F", next_f[vs], vs - 1),
+                                                                                  t + 1) <= t)]
+            if b:
+                vs = max(b)
+                kind, mb = "B", next_b[vs]
+                next_b[vs] += 1
+                held_fb[r] -= 1
+                pending_w[r].append((mb, vs))
+            elif f and held_fb[r] < in_fb(r) and held_fw[r] < in_fw(r):
+                vs = max(f)
+                kind, mb = "F", next_f[vs]
+                next_f[vs] += 1
+                held_fb[r] += 1
+                held_fw[r] += 1
+            elif pending_w[r]:
+                kind, (mb, vs) = "W", pending_w[r].pop(0)
+                held_fw[r] -= 1
+            else:
+                continue
+            done[(kind, mb, vs)] = t + 1
+            out[r].append(Action(kind, mb, chunk_of[vs]))
+            left -= 1
+        t += 1
+        if t > 12 * m * n + 4 * n:
+            raise ScheduleError(f"{name}: the list scheduler made no progress at pp={pp}, m={m}")
+    return tuple(tuple(row) for row in out)
 
 
 def _gpipe(pp: int, rank: int, m: int) -> list[Action]:
@@ -101,6 +177,11 @@ def build_schedule(name: str, pp: int, rank: int, micro_batches: int, virtual_st
         if virtual_stages < 2 and pp > 1:
             raise ScheduleError("--pp-schedule interleaved needs --virtual-stages >= 2")
         return _interleaved(pp, rank, micro_batches, virtual_stages)
+    if name in SPLIT_SCHEDULES:
+        if virtual_stages != (2 if name == "zbv" else 1):
+            raise ScheduleError(f"--pp-schedule {name} runs {2 if name == 'zbv' else 1} model chunk(s) per rank,"
+                                f" got --virtual-stages {virtual_stages}")
+        return list(_zero_bubble(name, pp, micro_batches)[rank])
     raise ScheduleError(f"unknown --pp-schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
 
 
@@ -109,7 +190,8 @@ class SimResult:
     makespan: float  # time until the last rank finishes, in units of one micro-batch's full-model forward
     busy: float  # time each rank computes (the same on every rank)
     bubble_fraction: float  # idle time / compute time, per rank (the same on every rank)
-    peak_in_flight: list[float]  # per rank: most micro-batches whose activations are held at once
+    peak_in_flight: list[float]  # per rank: most micro-batches whose activations are held at once (F to B)
+    peak_weight_stash: list[float]  # per rank: most micro-batches between B and W at once (split schedules)
 
 
 def simulate(name: str, pp: int, micro_batches: int, virtual_stages: int = 1, forward_cost: float = 1.0,
@@ -117,36 +199,42 @@ def simulate(name: str, pp: int, micro_batches: int, virtual_stages: int = 1, fo
     """Replay every rank's timeline with unit costs and dependencies; count idle time and live activations.
 
     A micro-batch's forward through one rank's share of the model costs ``forward_cost`` (split evenly over
-    its chunks), its backward ``backward_cost``. An action waits for its data dependency on the neighbouring
-    virtual stage and for the previous action of its own rank; communication is free.
+    its chunks), its backward ``backward_cost``, which a split schedule runs as B and W of half each. An action
+    waits for its data dependency on the neighbouring virtual stage and for the previous action of its own
+    rank; communication is free.
     """
     v = virtual_stages
     n_virtual = pp * v
-    tf, tb = forward_cost / v, backward_cost / v
+    split = name in SPLIT_SCHEDULES
+    cost = {"F": forward_cost / v, "B": backward_cost / v / (2 if split else 1), "W": backward_cost / v / 2}
     timelines = [build_schedule(name, pp, r, micro_batches, v) for r in range(pp)]
     done: dict[tuple[str, int, int], float] = {}  # (kind, micro-batch, virtual stage) -> finish time
     clock = [0.0] * pp
     pos = [0] * pp
-    live = [0.0] * pp
-    peak = [0.0] * pp
+    live, stash = [0.0] * pp, [0.0] * pp
+    peak, peak_stash = [0.0] * pp, [0.0] * pp
     remaining = sum(len(t) for t in timelines)
     while remaining:
         progressed = False
         for r in range(pp):
             while pos[r] < len(timelines[r]):
                 a = timelines[r][pos[r]]
-                vs = a.chunk * pp + r
+                vs = virtual_stage(name, pp, r, a.chunk)
                 if a.kind == "F":
                     dep = ("F", a.micro_batch, vs - 1) if vs > 0 else None
-                else:
+                elif a.kind == "B":
                     dep = ("B", a.micro_batch, vs + 1) if vs < n_virtual - 1 else ("F", a.micro_batch, vs)
+                else:
+                    dep = ("B", a.micro_batch, vs)
                 if dep is not None and dep not in done:
                     break
                 start = max(clock[r], done[dep] if dep else 0.0)
-                clock[r] = start + (tf if a.kind == "F" else tb)
+                clock[r] = start + cost[a.kind]
                 done[(a.kind, a.micro_batch, vs)] = clock[r]
-                live[r] += (1.0 if a.kind == "F" else -1.0) / v
+                live[r] += {"F": 1.0, "B": -1.0, "W": 0.0}[a.kind] / v
+                stash[r] += {"F": 0.0, "B": 1.0 if split else 0.0, "W": -1.0}[a.kind] / v
                 peak[r] = max(peak[r], live[r])
+                peak_stash[r] = max(peak_stash[r], stash[r])
                 pos[r] += 1
                 remaining -= 1
                 progressed = True
@@ -154,4 +242,5 @@ def simulate(name: str, pp: int, micro_batches: int, virtual_stages: int = 1, fo
             raise ScheduleError(f"schedule {name!r} deadlocks at pp={pp}, m={micro_batches}, v={v}")
     makespan = max(clock)
     busy = micro_batches * (forward_cost + backward_cost)
-    return SimResult(makespan=makespan, busy=busy, bubble_fraction=(makespan - busy) / busy, peak_in_flight=peak)
+    return SimResult(makespan=makespan, busy=busy, bubble_fraction=(makespan - busy) / busy, peak_in_flight=peak,
+                     peak_weight_stash=peak_stash)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from megazero.config.precision import ELEMENT_BYTES
 from megazero.config.schema import ModelConfig, ZeroConfig
 from megazero.pipeline.partition import partition_layers, stage_specs
+from megazero.pipeline.schedules import SPLIT_SCHEDULES, build_schedule
 from megazero.plan.activations import (
     activation_bytes,
     checkpoint_host_bytes,
@@ -58,6 +59,7 @@ __all__ = [
     "rank_parameter_numels",
     "recompute_bytes",
     "stage_layers",
+    "weight_stash_bytes",
 ]
 
 def padded_vocab_size(vocab_size: int, tp_size: int, pad_multiple: int = VOCAB_PAD_MULTIPLE) -> int:
@@ -198,6 +200,37 @@ def in_flight_micro_batches(pp_size: int, pp_rank: int, schedule: str = "1f1b", 
     return max(1, min(pp_size - pp_rank, micro_batches))
 
 
+def weight_stash_bytes(model: ModelConfig, micro_batch: int, *, tp_size: int = 1, sequence_parallel: bool = False,
+                       precision: str = "bf16", layers: int, first_stage: bool, last_stage: bool) -> float:
+    """What a zero-bubble B leaves for its W, per micro-batch (``megazero/tensor_parallel/weight_grad.py``):
+    each linear's input (under SP a column-parallel layer's sequence shard, gathered again in W) and output
+    gradient, the first stage's embedding output gradient and the kept gradient of its position table; the
+    last stage's LM head input and logits gradient. Norm and bias gradients (O(h)) are left out."""
+    e, t = ELEMENT_BYTES[precision], tp_size
+    sp = t if sequence_parallel and t > 1 else 1
+    s, b, h, f = model.seq_len, micro_batch, model.hidden_size, model.ffn_hidden_size
+    qkv = h + 2 * model.kv_heads * (h // model.num_heads)
+    up = 2 * f if model.arch == "llama" else f  # SwiGLU's gate|up GEMM
+    per_token = (h / sp + qkv / t) + (h / t + h) + (h / sp + up / t) + (f / t + h)
+    out = layers * per_token * s * b
+    if first_stage:
+        out += s * b * h + (0 if model.arch == "llama" else s * h)
+    if last_stage:
+        out += s * b * (h / sp + padded_vocab_size(model.vocab_size, t) / t)
+    return e * out
+
+
+def _split_schedule_activations(schedule: str, pp_size: int, pp_rank: int, micro_batches: int, act: float,
+                                stash: float) -> float:
+    """The most bytes a rank of a split schedule holds between F and W: its timeline replayed with ``act`` per
+    micro-batch from F to B and ``stash`` from B to W."""
+    held = peak = 0.0
+    for a in build_schedule(schedule, pp_size, pp_rank, micro_batches):
+        held += {"F": act, "B": stash - act, "W": -stash}[a.kind]
+        peak = max(peak, held)
+    return peak
+
+
 @dataclass(frozen=True)
 class PeakEstimate:
     """A rank's predicted peak of live tensors during a step, in the parts the tracker
@@ -283,7 +316,12 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
                   checkpointing=checkpointing, fused_attention=fused_attention, mask_bytes=mask_bytes,
                   fused_norm=fused_norm)
     act = activation_bytes(model, micro_batch, **common, layers=len(layers), first_stage=first, last_stage=last)
-    act *= in_flight_micro_batches(pp_size, pp_rank, schedule, micro_batches)
+    if schedule in SPLIT_SCHEDULES and pp_size > 1:  # the stashed W inputs count too
+        stash = weight_stash_bytes(model, micro_batch, tp_size=tp_size, sequence_parallel=sequence_parallel,
+                                   precision=precision, layers=len(layers), first_stage=first, last_stage=last)
+        act = _split_schedule_activations(schedule, pp_size, pp_rank, micro_batches, act, stash)
+    else:
+        act *= in_flight_micro_batches(pp_size, pp_rank, schedule, micro_batches)
     comm = 0.0
     eg = grad_dtype_for(precision).itemsize  # what gradients are staged and reduced in (--grad-dtype auto)
     if stage >= 2:

@@ -27,6 +27,7 @@ from megazero.tensor_parallel.mappings import (
     reduce_scatter_sequence_async,
     reduce_scatter_to_sequence_parallel_region,
 )
+from megazero.tensor_parallel.weight_grad import deferring_store, has_store
 
 __all__ = [
     "ColumnParallelLinear",
@@ -118,28 +119,101 @@ class _ColumnLinear(torch.autograd.Function):
     of ``x`` again; compute the input gradient ``g W``; start its all-reduce (reduce-scatter under SP) without
     waiting; compute the weight gradient ``g^T x`` while it runs; wait last. On a GPU the collective's stream
     runs beside the weight-gradient GEMM; on gloo the order is the same (tests/test_tp_overlap.py checks it).
+
+    In a zero-bubble B pass (:mod:`.weight_grad`) the weight and bias gradients are deferred to W instead, with
+    the SP all-gather of ``x`` they need; B keeps the input gradient and its collective.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, sequence_parallel):
         ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
+        ctx.params = (weight, bias)
         ctx.save_for_backward(x, weight)
         return F.linear(gather_sequence(x, group) if sequence_parallel else x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        gather = gather_sequence_async(x, ctx.group) if ctx.sequence_parallel else None
+        store = deferring_store(ctx.params[0])
+        gather = gather_sequence_async(x, ctx.group) if ctx.sequence_parallel and store is None else None
         grad_in = grad_out.matmul(weight)  # [B, S, in], a partial sum over this rank's output features
-        if gather is not None:
-            x = gather.wait()
+        if ctx.sequence_parallel:
+            x = gather.wait() if gather is not None else x
             pending = reduce_scatter_sequence_async(grad_in, ctx.group)
         else:
             pending = all_reduce_async(grad_in, ctx.group)
-        g = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_w = g.t().matmul(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
-        grad_b = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        needs = ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
+        if store is not None:
+            group, sp = ctx.group, ctx.sequence_parallel
+            store.defer(ctx.params, lambda: _linear_weight_grads(
+                grad_out, gather_sequence(x, group) if sp else x, *needs))
+            return pending.wait(), None, None, None, None
+        grad_w, grad_b = _linear_weight_grads(grad_out, x, *needs)  # while the collective runs
         return pending.wait(), grad_w, grad_b, None, None
+
+
+def _linear_weight_grads(grad_out: torch.Tensor, x: torch.Tensor, weight: bool, bias: bool
+                         ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(``g^T x``, ``sum g``) of a linear from its output gradient [..., out] and input [..., in]."""
+    g = grad_out.reshape(-1, grad_out.shape[-1])
+    grad_w = g.t().matmul(x.reshape(-1, x.shape[-1])) if weight else None
+    return grad_w, (g.sum(0) if bias else None)
+
+
+class _Linear(torch.autograd.Function):
+    """``F.linear`` whose weight (and bias) gradient a zero-bubble B pass defers to W (:mod:`.weight_grad`);
+    used instead of ``F.linear`` only on ranks that run a split backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.params, ctx.has_bias = (weight, bias), bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_in = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        needs = ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
+        store = deferring_store(ctx.params[0])
+        if store is not None:
+            store.defer(ctx.params, lambda: _linear_weight_grads(grad_out, x, *needs))
+            return grad_in, None, None
+        return grad_in, *_linear_weight_grads(grad_out, x, *needs)
+
+
+class _Embedding(torch.autograd.Function):
+    """``F.embedding`` whose table gradient a zero-bubble B pass defers to W (only the ids are kept for it)."""
+
+    @staticmethod
+    def forward(ctx, ids, weight):
+        ctx.params, ctx.num_weights = (weight,), weight.shape[0]
+        ctx.save_for_backward(ids)
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (ids,) = ctx.saved_tensors
+        num_weights = ctx.num_weights
+
+        def grads() -> tuple[torch.Tensor]:
+            return (torch.ops.aten.embedding_dense_backward(grad_out, ids, num_weights, -1, False),)
+
+        store = deferring_store(ctx.params[0])
+        if store is not None:
+            store.defer(ctx.params, grads)
+            return None, None
+        return None, grads()[0]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, through :class:`_Linear` where the weight belongs to a split-backward rank."""
+    return _Linear.apply(x, weight, bias) if has_store(weight) else F.linear(x, weight, bias)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.embedding``, through :class:`_Embedding` where the table belongs to a split-backward rank."""
+    return _Embedding.apply(ids, weight) if has_store(weight) else F.embedding(ids, weight)
 
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group | None,
@@ -147,7 +221,7 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     """The linear of a column-parallel layer: [B, S, in] (a sequence shard [B, S/tp, in] under
     ``sequence_parallel``) -> [B, S, out/tp], with the TP collective of :class:`_ColumnLinear`."""
     if group is None or group.size == 1:
-        return F.linear(x, weight, bias)
+        return linear(x, weight, bias)
     return _column_linear(x, weight, bias, group, sequence_parallel)
 
 
@@ -236,7 +310,7 @@ class RowParallelLinear(nn.Module):
         self.bias = _param((out_features,), ShardSpec((out_features,), "zeros")) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # partial sums [B, S, out]
+        y = linear(x, self.weight)  # partial sums [B, S, out]
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)  # [B, S/tp, out]
         else:
@@ -269,10 +343,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_group is None or self.tp_group.size == 1:
-            return F.embedding(ids, self.weight)
+            return embedding(ids, self.weight)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.local_vocab)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # this rank's rows only: a partial sum
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(out, self.tp_group)  # [B, S/tp, H]

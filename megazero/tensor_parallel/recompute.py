@@ -41,6 +41,7 @@ from torch import nn
 from megazero.distributed import device_io
 from megazero.distributed.group import Group
 from megazero.tensor_parallel.random import RNGTracker
+from megazero.tensor_parallel.weight_grad import backward_inside
 
 __all__ = ["CheckpointOptions", "CheckpointStats", "checkpoint", "gather_partition", "partition_tensor"]
 
@@ -201,8 +202,9 @@ class _CheckpointFunction(torch.autograd.Function):
             _set_rng_state(resume, ctx.device, options.rng_tracker)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None, None, None, *(x.grad if x.requires_grad else None for x in inputs))
+        # a zero-bubble B pass keeps the parameters' gradients for W (weight_grad.backward_inside)
+        got = backward_inside([o for o, _ in pairs], [g for _, g in pairs], inputs)
+        return (None, None, None, *got)
 
 
 def checkpoint(function: Callable[..., Any], *inputs: torch.Tensor, options: CheckpointOptions,

@@ -28,7 +28,7 @@ from megazero.distributed import device_io
 from megazero.distributed.context import ParallelContext
 from megazero.model.gpt import full_state_dict
 from megazero.pipeline.executor import PipelineExecutor
-from megazero.pipeline.schedules import build_schedule, transfer_units
+from megazero.pipeline.schedules import SPLIT_SCHEDULES, build_schedule, transfer_units
 from megazero.tensor_parallel import IGNORE_INDEX
 from megazero.tensor_parallel.layers import VOCAB_PAD_MULTIPLE, pad_size
 from megazero.train import recipe
@@ -64,7 +64,9 @@ class Engine:
         self.rng_tracker, self.chunks, self.tied = parts.rng_tracker, parts.chunks, parts.tied
         self.optimizer = parts.optimizer
         self.model = parts.model
-        self.executor = PipelineExecutor(self.chunks, self.specs, parts.p2p, ctx.pp_rank, ctx.pp_size, self.device)
+        self.split_backward = self.schedule in SPLIT_SCHEDULES  # zero-bubble: B and W apart
+        self.executor = PipelineExecutor(self.chunks, self.specs, parts.p2p, ctx.pp_rank, ctx.pp_size, self.device,
+                                         split=self.split_backward)
         self.activation_peak_bytes = 0  # most saved-activation bytes held at once, over all steps
         self.step = 0  # optimizer steps taken
         device_io.release_free_memory(self.device)  # construction's temporaries (device_io's docstring)
@@ -137,7 +139,8 @@ class Engine:
         tokens = self._global_tokens(micro_batches)
         sched = (self.schedule, self.ctx.pp_size, self.ctx.pp_rank, len(micro_batches), self.virtual_stages)
         stats = self.executor.run(build_schedule(*sched), micro_batches, tokens, opt.backward,
-                                  units=transfer_units(*sched), measure=measure)
+                                  units=transfer_units(*sched), measure=measure,
+                                  split=opt if self.split_backward else None)
         if stats.peak_activation_bytes is not None:
             self.activation_peak_bytes = max(self.activation_peak_bytes, stats.peak_activation_bytes)
         loss_t = self._global_loss(stats.loss_sum, tokens)

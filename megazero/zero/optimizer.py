@@ -54,11 +54,13 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge
 
 from megazero.config.precision import PRECISION_DTYPES
 from megazero.config.schema import LossScaleConfig, OptimizerConfig, ZeroConfig
 from megazero.distributed import device_io
 from megazero.distributed.group import Group
+from megazero.tensor_parallel import weight_grad
 from megazero.tensor_parallel.finalize import all_reduce_coalesced, sequence_parallel_grads
 from megazero.zero import accounting
 from megazero.zero.adam import ADAM_CHUNK, adam_update
@@ -66,6 +68,7 @@ from megazero.zero.bucketed import BucketedParams, sharded_state
 from megazero.zero.grads import OwnedGrads, grad_dtype_for
 from megazero.zero.loss_scaler import make_loss_scaler
 from megazero.zero.offload import HostOffload
+from megazero.zero.stage3.split import input_backward
 from megazero.zero.state import OwnedRun, OwnedState
 from megazero.zero.store import build_store, claim, gathered, walk
 
@@ -227,6 +230,26 @@ class ZeroOptimizer:
         self.store.finish_backward()
 
     @property
+    def backward_input(self, store: weight_grad.WeightGradStore, output: torch.Tensor | GradientEdge,
+                       grad: torch.Tensor | None, inp: torch.Tensor | None,
+                       params: Sequence[nn.Parameter]) -> tuple[torch.Tensor | None, weight_grad.WeightWork]:
+        """B of a split backward (zero-bubble pipeline schedules): the gradient of the stage input ``inp`` and
+        the work left for :meth:`backward_weight` (:func:`~megazero.tensor_parallel.weight_grad.input_gradients`;
+        ``output`` a loss share, scaled here, when ``grad`` is None). No gradient reaches the store's hooks, so
+        nothing is reduced; stage 3 gathers the blocks for it as in a backward (:mod:`.stage3.split`)."""
+        if grad is None and self.scaler is not None:
+            output = output * self.scaler.scale
+        with input_backward(self.store):
+            return weight_grad.input_gradients(store, output, grad, inp, params)
+
+    def backward_weight(self, work: weight_grad.WeightWork, order: Sequence[nn.Parameter]) -> None:
+        """W of a split backward: each parameter's weight gradient, accumulated through autograd on the leaf, so
+        the store's hooks run as in :meth:`backward`: a bucket or unit is reduced when its last W ends."""
+        self.store.start_backward()
+        for p, g in weight_grad.weight_gradients(work, order):
+            torch.autograd.backward(p, g)
+        self.store.finish_backward()
+
     def loss_scale(self) -> float | None:
         """The current fp16 loss scale (None without loss scaling)."""
         return self.scaler.scale if self.scaler is not None else None

@@ -136,6 +136,7 @@ class Stage3Params:
             reuse_distance=cfg.stage3_max_reuse_distance, comm=self.comm)
         self._install_hooks()
         self._in_backward = False
+        self._input_only = False  # in a zero-bubble B pass (stage3/split.py)
         self._touched: set[int] = set()  # chunks this backward ran through
         self._probed = False  # this forward pass looked at what its part before the first block saved
         self._roots_free: dict[int, bool] = {}  # chunk -> its own units are not needed by the blocks' backward
@@ -238,6 +239,9 @@ class Stage3Params:
         own units if its forward saved none of them before its first block (module docstring)."""
         if self.sched.phase == BWD and self._roots_free.get(unit.chunk):
             for u in self._roots[unit.chunk]:
+                self.sched.release(u)
+        if self._input_only:  # a zero-bubble B pass (split.py): no gradient comes to release the block before
+            for u in [u for u in self.sched.gathered.values() if u is not unit and not u.is_root]:
                 self.sched.release(u)
         self.sched.use(unit)
 
