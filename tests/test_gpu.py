@@ -62,10 +62,11 @@ def test_worlds_start_by_forkserver_with_the_tests_environment_and_tf32_off(data
     """The path a machine with CUDA takes, forced here: after a backward in this process, a forkserver world of
     2 ranks runs a backward and an all-reduce, its ranks are not children of this process, a variable set
     after the fork server started reaches them, and the recipe leaves TF32 off in each (on without the
-    harness's variable). A forked world (the control) is this process's children."""
+    harness's variable). A forked world (the control, without CUDA only) is this process's children."""
     (torch.ones(2, requires_grad=True) * 2).sum().backward()
-    [forked, _] = run_world(_harness_probe, 2, data_cache, start_method="fork")
-    assert forked["ppid"] == os.getpid()
+    if not torch.cuda.is_available():  # with CUDA, that backward makes a forked rank die at its own
+        [forked, _] = run_world(_harness_probe, 2, data_cache, start_method="fork")
+        assert forked["ppid"] == os.getpid()
     monkeypatch.setenv(START_METHOD_ENV, "forkserver")
     forkserver.ensure_running()  # the fork server runs from now on, with this environment
     monkeypatch.setenv(PROBE_ENV, "set after the fork server started")
