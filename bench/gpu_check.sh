@@ -107,7 +107,7 @@ fi
 
 export PY ROOT
 step env 30 20 bash -c "$(declare -f env_info); env_info"  # timeout runs programs, not functions
-step pytest 240 15 "$PY" -m pytest -q -m gpu -p no:cacheprovider -o timeout=200 --continue-on-collection-errors \
+step pytest 240 15 "$PY" -m pytest -q -m gpu -p no:cacheprovider -o timeout=225 --continue-on-collection-errors \
     --junitxml="$OUT/pytest.xml" "${TESTS[@]}"
 MODELS=()
 for spec in "${BENCH[@]}"; do

@@ -73,9 +73,10 @@ def _device_work(events, device_type) -> list[tuple[str, float, float]]:
     above them."""
     import torch
 
-    if device_type == "cuda":
+    if device_type == "cuda":  # kernels, copies and sets; not the ranges record_function mirrors on the GPU
         return [(e.name, e.time_range.start, e.time_range.end) for e in events
-                if e.device_type == torch.autograd.DeviceType.CUDA]
+                if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+                and e.name != STEP_RANGE]
 
     def top_level(e) -> bool:
         p = e.cpu_parent
@@ -130,7 +131,8 @@ def main() -> None:
                     _sync(device)
         out["profiled_wall_s"] = time.perf_counter() - t0
         events = prof.events()
-        windows = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == STEP_RANGE)
+        windows = sorted((e.time_range.start, e.time_range.end) for e in events  # the host's ranges only
+                         if e.name == STEP_RANGE and e.device_type == torch.autograd.DeviceType.CPU)
         out["work"] = "CUDA kernels" if device.type == "cuda" else "top-level aten ops (CPU smoke run)"
         out.update(summarize(_device_work(events, device.type), windows, args.top))
         busy = out["busy_fraction"]
