@@ -229,7 +229,6 @@ class ZeroOptimizer:
             (loss * self.scaler.scale if self.scaler is not None else loss).backward()
         self.store.finish_backward()
 
-    @property
     def backward_input(self, store: weight_grad.WeightGradStore, output: torch.Tensor | GradientEdge,
                        grad: torch.Tensor | None, inp: torch.Tensor | None,
                        params: Sequence[nn.Parameter]) -> tuple[torch.Tensor | None, weight_grad.WeightWork]:
@@ -250,6 +249,7 @@ class ZeroOptimizer:
             torch.autograd.backward(p, g)
         self.store.finish_backward()
 
+    @property
     def loss_scale(self) -> float | None:
         """The current fp16 loss scale (None without loss scaling)."""
         return self.scaler.scale if self.scaler is not None else None
