@@ -128,7 +128,8 @@ class _FakeGroup:
 
 @pytest.mark.parametrize("flags, message", [
     (["--num-kv-heads", "3"], "--num-heads 4 is not divisible by --num-kv-heads 3"),
-    (["--tp", "4"], r"--num-kv-heads 2 is not divisible by --tp 4; .* pick a --tp that divides 2 \(at most 2\)"),
+    (["--num-heads", "12", "--hidden-size", "192", "--num-kv-heads", "4", "--tp", "6"],
+     r"--num-kv-heads 4 and --tp 6 do not divide one another; .* a --tp that divides 4 or a multiple of it"),
     (["--ffn-hidden-size", "97", "--num-kv-heads", "4", "--tp", "2"], "--ffn-hidden-size 97 is not divisible"),
     (["--arch", "gpt2", "--num-kv-heads", "2"], "--num-kv-heads 2 needs --arch llama"),
     (["--arch", "gpt2", "--num-kv-heads", "4", "--no-tie-embeddings"], "--no-tie-embeddings needs --arch llama"),
@@ -136,7 +137,7 @@ class _FakeGroup:
     (["--rope-theta", "0"], "--rope-theta must be positive"),
 ])
 def test_bad_shapes_are_refused_naming_the_flag(flags, message):
-    world = 4 if "--tp" in flags and flags[flags.index("--tp") + 1] == "4" else 2
+    world = int(flags[flags.index("--tp") + 1]) if "--tp" in flags else 2
     with pytest.raises(ConfigError, match=message):
         parse_args(["--model", "llama-tiny", "--num-kv-heads", "2", *flags]).resolve(world)
 

@@ -378,11 +378,7 @@ def hf_initializer(chunks: list[nn.Module], model_cfg: ModelConfig, directory: s
             pieces = [torch.cat([ckpt.read_part(q, 1, tp_rank * p.shape[1], (tp_rank + 1) * p.shape[1])
                                  for q in parts])]
         else:  # column- or vocabulary-parallel: this rank's share of each interleaved block of the padded rows
-            pieces, start = [], 0
-            for size in spec.block_sizes(spec.padded_dim_size or full[0]):
-                share = size // tp_size
-                pieces += rows(parts, start + tp_rank * share, start + (tp_rank + 1) * share, full)
-                start += size
+            pieces = [t for lo, hi in spec.rank_rows(tp_rank, tp_size) for t in rows(parts, lo, hi, full)]
         out = torch.cat(pieces, dim=dim or 0)
         if out.shape != p.shape:
             raise RuntimeError(f"internal error: {name} read as {list(out.shape)}, expected {list(p.shape)}")

@@ -55,8 +55,9 @@ _ARCH_FLAGS = {"arch": "--arch", "num_layers": "--num-layers", "hidden_size": "-
 def _saved_spec(rec: dict[str, Any]) -> ShardSpec:
     """The split of a saved tensor as its manifest record describes it (init fields unused)."""
     blocks = tuple(rec["blocks"]) if rec.get("blocks") else None
+    replicas = tuple(rec["replicas"]) if rec.get("replicas") else None  # K/V heads shared by TP ranks
     return ShardSpec(tuple(rec["shape"]), "zeros", partition_dim=rec["partition_dim"], stride=rec["stride"],
-                     padded_dim_size=rec["padded_dim_size"], blocks=blocks)
+                     padded_dim_size=rec["padded_dim_size"], blocks=blocks, replicas=replicas)
 
 
 class CheckpointReader:
@@ -125,23 +126,25 @@ class CheckpointReader:
 
     def full_tensor(self, name: str, kind: str = "master") -> torch.Tensor:
         """The full, unpadded fp32 tensor ``name`` assembled from every saved TP shard, in place: each shard is
-        read into one reused buffer and copied to its blocks (peak: the tensor plus one shard)."""
+        read into one reused buffer and copied to its blocks (peak: the tensor plus one shard). A block shared by
+        several TP ranks (K/V heads when tp exceeded them) is taken once, from the first of them."""
         rec = self.tensors[name]
         local, dim = rec["local_shape"], rec["partition_dim"]
         numel = int(torch.Size(local).numel())
         if dim is None:
             return self.read_range(name, kind, 0, 0, numel).view(local)
-        size = local[dim] * self.tp_size  # the padded dim
-        blocks = _saved_spec(rec).block_sizes(size)  # interleaved blocks of the full dim: rank r holds 1/tp of each
+        spec = _saved_spec(rec)
+        size = sum(n * self.tp_size // r for n, r in zip(spec.block_sizes(local[dim], local=True),
+                                                         spec.block_replicas()))  # the padded dim
         full = torch.empty([size if d == dim else x for d, x in enumerate(local)])
         shard = torch.empty(local)
-        for r in range(self.tp_size):  # the inverse of shard_full_tensor: block b of rank r's shard
+        for r in range(self.tp_size):  # the inverse of shard_full_tensor: rank r's rows of each block
             self.read_range(name, kind, r, 0, numel, out=shard.view(-1))
-            start = at = 0
-            for b in blocks:
-                n = b // self.tp_size
-                full.narrow(dim, start + r * n, n).copy_(shard.narrow(dim, at, n))
-                start, at = start + b, at + n
+            at = 0
+            for (lo, hi), rep in zip(spec.rank_rows(r, self.tp_size, size), spec.block_replicas()):
+                if r % rep == 0:
+                    full.narrow(dim, lo, hi - lo).copy_(shard.narrow(dim, at, hi - lo))
+                at += hi - lo
         return full.narrow(dim, 0, rec["shape"][dim]).contiguous()
 
     def values_for(self, name: str, spec: ShardSpec, tp_rank: int, tp_size: int, start: int, numel: int,
@@ -153,8 +156,8 @@ class CheckpointReader:
                                   f"checkpoint but {tuple(spec.full_shape)} in this model")
         rec = self.tensors[name]
         saved = _saved_spec(rec)
-        same = (spec.partition_dim, spec.stride, spec.padded_dim_size, spec.blocks) == (
-            saved.partition_dim, saved.stride, saved.padded_dim_size, saved.blocks)
+        same = (spec.partition_dim, spec.stride, spec.padded_dim_size, spec.blocks, spec.replicas) == (
+            saved.partition_dim, saved.stride, saved.padded_dim_size, saved.blocks, saved.replicas)
         if spec.partition_dim is None or (tp_size == self.tp_size and same):
             return self.read_range(name, kind, tp_rank, start, numel)
         full = self.full_tensor(name, kind)

@@ -90,7 +90,8 @@ def _write_rank_file(engine: TrainState, step_dir: Path) -> dict[str, Any]:
                                 {"format": FORMAT, "rank": str(ctx.rank), "step": str(engine.step)})
     specs = {n: {"shape": list(p.shard_spec.full_shape), "local_shape": list(p.shape), "pp_rank": ctx.pp_rank,
                  **{k: getattr(p.shard_spec, k) for k in ("partition_dim", "stride", "padded_dim_size")},
-                 **({"blocks": list(p.shard_spec.blocks)} if p.shard_spec.blocks else {})}
+                 **({"blocks": list(p.shard_spec.blocks)} if p.shard_spec.blocks else {}),
+                 **({"replicas": list(p.shard_spec.replicas)} if p.shard_spec.replicas else {})}
              for n, p, _ in named_params(engine)}
     return {"file": fname, "coords": ctx.coords(), "pieces": pieces, "specs": specs, **written}
 

@@ -305,9 +305,9 @@ def _check_family(m: Any, tp: int) -> None:
     _require(m.num_heads % m.kv_heads == 0, f"--num-heads {m.num_heads} is not divisible by --num-kv-heads "
              f"{m.kv_heads}; grouped-query attention shares each key/value head among the same number of "
              "query heads, so pick a --num-kv-heads that divides --num-heads")
-    _require(m.kv_heads % tp == 0, f"--num-kv-heads {m.kv_heads} is not divisible by --tp {tp}; each "
-             "tensor-parallel rank holds whole key/value heads (they are not replicated over TP ranks), so pick "
-             f"a --tp that divides {m.kv_heads}" + (f" (at most {m.kv_heads})" if tp > m.kv_heads else ""))
+    _require(m.kv_heads % tp == 0 or tp % m.kv_heads == 0, f"--num-kv-heads {m.kv_heads} and --tp {tp} do not "
+             "divide one another; each tensor-parallel rank holds whole key/value heads, or one head shared by "
+             f"tp / {m.kv_heads} ranks, so pick a --tp that divides {m.kv_heads} or a multiple of it")
     _require(m.ffn_hidden_size % tp == 0, f"--ffn-hidden-size {m.ffn_hidden_size} is not divisible by --tp {tp}; "
              "each tensor-parallel rank holds an equal slice of the MLP, so pick a width that --tp divides")
     _require(m.arch != "llama" or m.head_dim % 2 == 0, f"--hidden-size {m.hidden_size} / --num-heads "

@@ -248,6 +248,7 @@ class ParallelContext:
         self._group_cls: type[Group] = Group
         self._node_groups: dict[tuple[int, int], NodeGroups] = {}
         self._built: set[tuple[int, ...]] = set()
+        self._kv_groups: dict[int, Group] = {}  # kv_group's, by ranks per K/V head
         self.ranks_per_node = ledger.ranks_per_node or grid.world_size
         ledger.rank = rank
 
@@ -342,6 +343,25 @@ class ParallelContext:
         for zero_group in {id(g): g for g in (zero, self.zero_reduce_group)}.values():
             zero_group.nodes = groups  # what stage 3 and qgZ read (megazero.zero.stage3.hpz, megazero.zero.qgz)
         return groups
+
+    def kv_group(self, replicas: int) -> Group:
+        """This rank's ``replicas`` consecutive TP ranks: those that hold the same key/value heads when the TP size
+        exceeds the model's K/V heads, over which those heads' gradients are summed (``tp_kv`` in the ledger; the
+        TP group itself when it is one such set). A collective call the first time for a size (every rank calls
+        it, with the same size); later calls return the same group."""
+        if replicas < 1 or self.tp_size % replicas:
+            raise TopologyError(f"{replicas} ranks per key/value head do not divide --tp {self.tp_size}")
+        if replicas not in self._kv_groups:
+            mine = self.tp_group
+            if replicas < self.tp_size:
+                for ranks in sorted({tuple(r) for r in self.grid.tp_groups()}):
+                    for i in range(0, len(ranks), replicas):  # new_group is collective over the whole world
+                        block = list(ranks[i: i + replicas])
+                        pg = dist.new_group(block, timeout=self._timeout) if replicas > 1 else None
+                        if self.rank in block:
+                            mine = self._group_cls("tp_kv", block, pg, self.ledger, self.tp_group.device)
+            self._kv_groups[replicas] = mine
+        return self._kv_groups[replicas]
 
     # -- convenience ------------------------------------------------------------------------------------
     @property

@@ -12,7 +12,9 @@ positions, MLP, biases) plus the attention heads and tying of its :class:`ModelC
   (unless ``tie_embeddings``).
 
 With ``tp_group`` of size 1 the parallel layers are ordinary linear layers. Tensor parallelism splits query
-heads and key/value heads alike (each rank holds ``kv_heads / tp`` KV heads and the query heads that use them),
+heads and key/value heads alike (each rank holds ``kv_heads / tp`` KV heads and the query heads that use them;
+with more TP ranks than KV heads, each KV head is held by ``tp / kv_heads`` consecutive ranks, as Megatron-LM
+replicates query groups, and its weight gradient is summed over them, the ``kv_group``),
 the MLP's hidden units (SwiGLU's gate and up rows together) and the vocabulary. Parameter names are the same
 for both families (``blocks.3.attn.qkv.weight``: q, k and v rows stacked, as Hugging Face's q/k/v_proj
 concatenated; ``blocks.3.mlp.fc.weight``: gate rows then up rows), see :mod:`.hf` for the mapping.
@@ -116,11 +118,13 @@ class Dropout(nn.Dropout):
 
 class CausalSelfAttention(nn.Module):
     """Causal attention; each TP rank owns ``num_heads / tp`` query heads and the ``kv_heads / tp`` key/value
-    heads they use (query head j uses KV head j // (num_heads / kv_heads), as Hugging Face Llama)."""
+    heads they use (query head j uses KV head j // (num_heads / kv_heads), as Hugging Face Llama). With more TP
+    ranks than KV heads, ``tp / kv_heads`` consecutive ranks share one (``ShardSpec.replicas``), its k/v rows'
+    gradient summed over them, ``kv_group`` (without it the layer runs forward only)."""
 
     def __init__(self, cfg: ModelConfig, tp_group: Group | None, sequence_parallel: bool = False,
                  rng_tracker: RNGTracker | None = None, recompute: CheckpointOptions | None = None,
-                 cp_group: Group | None = None, cp_attention: str = "ring") -> None:
+                 cp_group: Group | None = None, cp_attention: str = "ring", kv_group: Group | None = None) -> None:
         super().__init__()
         tp_size, _ = tp_size_rank(tp_group)
         self.cp_group = cp_group if cp_group is not None and cp_group.size > 1 else None
@@ -129,11 +133,12 @@ class CausalSelfAttention(nn.Module):
             raise ValueError(f"--dropout {cfg.dropout} with --cp: context-parallel attention has no dropout")
         if cfg.num_heads % tp_size:
             raise ValueError(f"--num-heads ({cfg.num_heads}) must be divisible by --tp ({tp_size})")
-        if cfg.num_heads % cfg.kv_heads or cfg.kv_heads % tp_size:
+        if cfg.num_heads % cfg.kv_heads or (cfg.kv_heads % tp_size and tp_size % cfg.kv_heads):
             raise ValueError(f"--num-kv-heads ({cfg.kv_heads}) must divide --num-heads ({cfg.num_heads}) and be "
-                             f"divisible by --tp ({tp_size})")
+                             f"a multiple or a divisor of --tp ({tp_size})")
         family = FAMILIES[cfg.arch]
-        self.local_heads, self.local_kv_heads = cfg.num_heads // tp_size, cfg.kv_heads // tp_size
+        self.kv_replicas = max(tp_size // cfg.kv_heads, 1)  # TP ranks sharing one KV head
+        self.local_heads, self.local_kv_heads = cfg.num_heads // tp_size, max(cfg.kv_heads // tp_size, 1)
         self.head_dim = cfg.head_dim
         self.rotary_theta = cfg.rope_theta if family.rotary else None
         self.rope_scaling = cfg.rope_scaling  # Llama 3.1's, or None
@@ -146,8 +151,10 @@ class CausalSelfAttention(nn.Module):
         # holds the q, k and v rows of its own heads (``blocks`` only where GQA makes the three sizes differ)
         kv, bias = cfg.kv_heads * cfg.head_dim, family.bias
         blocks = None if cfg.kv_heads == cfg.num_heads else (cfg.num_heads, cfg.kv_heads, cfg.kv_heads)
+        replicas = (1, self.kv_replicas, self.kv_replicas) if self.kv_replicas > 1 else None
         self.qkv = ColumnParallelLinear(cfg.hidden_size, cfg.hidden_size + 2 * kv, tp_group, bias=bias,
-                                        std=cfg.init_std, stride=3, blocks=blocks, sequence_parallel=sp)
+                                        std=cfg.init_std, stride=3, blocks=blocks, sequence_parallel=sp,
+                                        replicas=replicas, replica_group=kv_group)
         self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp_group, bias=bias, std=resid_std,
                                       sequence_parallel=sp)
         self.resid_dropout = Dropout(cfg.dropout, rng_tracker, sharded=sp)
@@ -250,12 +257,12 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig, tp_group: Group | None, sequence_parallel: bool = False,
                  rng_tracker: RNGTracker | None = None, recompute_attention: CheckpointOptions | None = None,
-                 cp_group: Group | None = None, cp_attention: str = "ring") -> None:
+                 cp_group: Group | None = None, cp_attention: str = "ring", kv_group: Group | None = None) -> None:
         super().__init__()
         norm = FAMILIES[cfg.arch].norm
         self.ln_1 = norm(cfg.hidden_size, cfg.layernorm_eps)
         self.attn = CausalSelfAttention(cfg, tp_group, sequence_parallel, rng_tracker, recompute_attention,
-                                        cp_group, cp_attention)
+                                        cp_group, cp_attention, kv_group)
         self.ln_2 = norm(cfg.hidden_size, cfg.layernorm_eps)
         self.mlp = MLP(cfg, tp_group, sequence_parallel, rng_tracker)
 
@@ -274,7 +281,8 @@ class GPT(nn.Module):
 
     ``rng_tracker`` gives dropout on TP-sharded activations its per-rank RNG stream (:mod:`.random`).
     ``cp_group`` (size > 1) makes the model context-parallel: it then takes and returns this CP rank's tokens
-    (module docstring), attending with ``cp_attention`` ("ring" or "allgather").
+    (module docstring), attending with ``cp_attention`` ("ring" or "allgather"). ``kv_group``: the TP ranks
+    that share this rank's K/V heads when tp exceeds them (:class:`CausalSelfAttention`).
     ``activation_checkpointing`` selects recomputation (module docstring); ``checkpoint_stats`` then counts
     the host bytes of ``cpu_checkpointing`` and the bytes a recomputation saves in backward.
     """
@@ -291,6 +299,7 @@ class GPT(nn.Module):
         activation_checkpointing: ActivationCheckpointingConfig | None = None,
         cp_group: Group | None = None,
         cp_attention: str = "ring",
+        kv_group: Group | None = None,
     ) -> None:
         super().__init__()
         self.cfg = cfg
@@ -323,8 +332,8 @@ class GPT(nn.Module):
                                            ac.cpu_checkpointing, rng_tracker, self.checkpoint_stats)
         self.partition_block_input = ac.partition_activations and not sp
         selective = self.recompute if ac.mode == "selective" else None
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp_group, sp, rng_tracker, selective, cp_group, cp_attention)
-                                     for i in self.layers})
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp_group, sp, rng_tracker, selective, cp_group, cp_attention,
+                                                   kv_group) for i in self.layers})
         if post_process:
             self.ln_f = family.norm(cfg.hidden_size, cfg.layernorm_eps)
         if post_process and not cfg.tied:  # the untied output layer, vocabulary-parallel like the embedding

@@ -92,11 +92,12 @@ def _llama_layer_bytes(model: ModelConfig, micro_batch: int, t: int, sequence_pa
                        fused_attention: bool, mask_bytes: int, fused_norm: bool) -> _LayerBytes:
     """A Llama block (:func:`activation_bytes` lists the terms)."""
     s, b, h, a, d = model.seq_len, micro_batch, model.hidden_size, model.num_heads, model.head_dim
-    sb, sbh, kv, f = s * b, s * b * h, model.kv_heads * d, model.ffn_hidden_size
+    sb, sbh, f = s * b, s * b * h, model.ffn_hidden_size
     sp = t if sequence_parallel and t > 1 else 1
     drop = model.dropout > 0
-    gqa = model.kv_heads < a
-    qkv = e * sb * (h + 2 * kv) / t  # the projection's output: q, k, v of this rank's heads
+    kv_local = max(model.kv_heads // t, 1)  # this rank's K/V heads (one shared by tp / kv ranks when tp > kv)
+    gqa = kv_local < a // t
+    qkv = e * sb * (h / t + 2 * kv_local * d)  # the projection's output: q, k, v of this rank's heads
     norm = (e if fused_norm else 8) * sbh + 4 * sb  # saved input (fp32 copy + normalised: 8 bytes) and rstd
     rotary = 2 * e * s * d  # cos and sin [S, hd]
     # v: repeated to the query heads (GQA) or a view that keeps the whole qkv output alive (MHA, unless the math

@@ -93,9 +93,9 @@ def rank_parameter_numels(model: ModelConfig, tp_size: int = 1, pp_size: int = 1
             out.update({f"{c}.{k}": n for k, n in chunk.items()})
         return out
     h, t = model.hidden_size, tp_size
-    if model.num_heads % t or h % t or model.kv_heads % t:
-        raise ValueError(f"--num-heads {model.num_heads}, --num-kv-heads {model.kv_heads} and --hidden-size {h} "
-                         f"must be divisible by --tp {t}")
+    if model.num_heads % t or h % t or (model.kv_heads % t and t % model.kv_heads):
+        raise ValueError(f"--num-heads {model.num_heads} and --hidden-size {h} must be divisible by --tp {t}, and "
+                         f"--num-kv-heads {model.kv_heads} a multiple or a divisor of it")
     layers = stage_layers(model.num_layers, pp_size, layout)[pp_rank] if layers is None else layers
     first, last = pp_rank == 0, pp_rank == pp_size - 1
     vocab = padded_vocab_size(model.vocab_size, t) // t * h
@@ -105,11 +105,12 @@ def rank_parameter_numels(model: ModelConfig, tp_size: int = 1, pp_size: int = 1
         out["wte.weight"] = vocab
     if first and not llama:
         out["wpe.weight"] = model.seq_len * h
-    ffn, qkv = model.ffn_hidden_size, h + 2 * model.kv_heads * model.head_dim
+    # a rank's q, k, v rows: its query heads, and its K/V heads (one, shared by tp / kv ranks, when tp > kv heads)
+    ffn, qkv = model.ffn_hidden_size, h // t + 2 * max(model.kv_heads // t, 1) * model.head_dim
     for i in layers:
         p = f"blocks.{i}."
         if llama:
-            out.update({p + "ln_1.weight": h, p + "attn.qkv.weight": qkv * h // t, p + "attn.proj.weight": h * h // t,
+            out.update({p + "ln_1.weight": h, p + "attn.qkv.weight": qkv * h, p + "attn.proj.weight": h * h // t,
                         p + "ln_2.weight": h, p + "mlp.fc.weight": 2 * ffn * h // t, p + "mlp.proj.weight": h * ffn // t})
             continue
         out.update({

@@ -135,7 +135,7 @@ def evaluate(model: ModelConfig, lay: Layout, global_batch: int, c: Cluster, pre
     grid = RankGrid(lay.world, lay.tp, lay.pp, lay.dp, cp)
     gpn = c.gpus_per_node
     crosses = {k: group_nodes(grid.group_of(k, grid.world_size - 1), gpn) > 1 for k in ("tp", "cp", "pp", "dp_cp")}
-    kv = 2 * lay.micro_batch_size * local.seq_len * model.kv_heads // lay.tp * model.head_dim  # K and V, per layer
+    kv = 2 * lay.micro_batch_size * local.seq_len * max(model.kv_heads // lay.tp, 1) * model.head_dim  # K, V per layer
     worst_mem: tuple | None = None
     slowest: StepTime | None = None
     vols = [0.0, 0.0, 0.0, 0.0]  # tp, pp, dp, cp bytes: the largest over the stages

@@ -3,8 +3,9 @@
 Every parameter created here carries a :class:`ShardSpec` (``param.shard_spec``): its full, unpadded shape,
 the dimension split across TP ranks (``None`` when replicated), how many interleaved blocks that dimension
 holds (3 for a fused QKV weight, so each rank gets its own heads' q, k and v; their relative sizes when they
-differ, as q, k and v do under grouped-query attention), the padded size of that dimension and how to
-initialise the full tensor. Initialisation, checkpoint merging and gradient-norm
+differ, as q, k and v do under grouped-query attention), how many consecutive TP ranks share each block's shard
+(K/V heads when tp exceeds them: ``replicas``), the padded size of that dimension and how to initialise the full
+tensor. Initialisation, checkpoint merging and gradient-norm
 accounting all read the spec, so they agree on what a shard is.
 """
 
@@ -26,6 +27,7 @@ from megazero.tensor_parallel.mappings import (
     reduce_from_tp_region,
     reduce_scatter_sequence_async,
     reduce_scatter_to_sequence_parallel_region,
+    sum_shared_rows_grad,
 )
 from megazero.tensor_parallel.weight_grad import deferring_store, has_store
 
@@ -55,12 +57,46 @@ class ShardSpec:
     stride: int = 1  # interleaved blocks along partition_dim (qkv: 3)
     padded_dim_size: int | None = None  # partition_dim size after zero padding (vocab)
     blocks: tuple[int, ...] | None = None  # the blocks' relative sizes (GQA's qkv: heads, kv heads, kv heads)
+    # per block, how many consecutive TP ranks hold the same shard of it (None: 1 each). qkv with tp > kv heads:
+    # (1, tp / kv, tp / kv), each KV head on tp / kv ranks (Megatron-LM's replication of query groups)
+    replicas: tuple[int, ...] | None = None
 
-    def block_sizes(self, size: int) -> list[int]:
-        """The sizes of the ``stride`` interleaved blocks of a ``size``-long partition dim (the full one, or one
-        rank's shard: each rank holds the same fraction of every block); equal unless ``blocks`` is set."""
+    def block_replicas(self) -> tuple[int, ...]:
+        """:attr:`replicas`, or 1 for each of the ``stride`` blocks."""
+        return self.replicas or (1,) * self.stride
+
+    def block_sizes(self, size: int, local: bool = False) -> list[int]:
+        """The sizes of the ``stride`` interleaved blocks of a ``size``-long partition dim: the full one, or with
+        ``local`` one rank's shard (a block shared by ``r`` ranks is ``r`` times its even share there); equal
+        unless ``blocks`` is set."""
         weights = self.blocks or (1,) * self.stride
+        if local:
+            weights = tuple(w * r for w, r in zip(weights, self.block_replicas()))
         return [size * w // sum(weights) for w in weights]
+
+    def rank_rows(self, tp_rank: int, tp_size: int, size: int | None = None) -> list[tuple[int, int]]:
+        """``[lo, hi)`` along ``partition_dim`` of the full ``size``-long (default: padded) dim that TP rank
+        ``tp_rank`` holds, block by block: its even share of each block, one share per ``replicas`` ranks."""
+        size = size or self.padded_dim_size or self.full_shape[self.partition_dim]
+        rows, start = [], 0
+        for n, rep in zip(self.block_sizes(size), self.block_replicas()):
+            share, i = n // (tp_size // rep), tp_rank // rep
+            rows.append((start + i * share, start + (i + 1) * share))
+            start += n
+        return rows
+
+    def unique_numel(self, local_shape: tuple[int, ...], tp_rank: int) -> int:
+        """How many leading elements of TP rank ``tp_rank``'s flattened shard no other rank also holds first:
+        all of them, except on ranks that repeat a replicated block (the gradient norm counts each element
+        once). Replicated blocks come last along dim 0 (qkv's k and v)."""
+        total, reps = math.prod(local_shape), self.block_replicas()
+        if self.partition_dim != 0 or all(tp_rank % r == 0 for r in reps):
+            return total
+        first = next(b for b, r in enumerate(reps) if r > 1)
+        if any(r == 1 for r in reps[first:]):
+            raise NotImplementedError("replicated blocks must come last along the partition dim")
+        rows = sum(self.block_sizes(local_shape[0], local=True)[:first])
+        return rows * total // local_shape[0]
 
     def make_full(self, generator: torch.Generator) -> torch.Tensor:
         """The full, unpadded fp32 tensor this parameter is a slice of, drawn from ``generator``."""
@@ -93,17 +129,19 @@ def shard_full_tensor(full: torch.Tensor, spec: ShardSpec, tp_rank: int, tp_size
         pad_shape = list(full.shape)
         pad_shape[dim] = spec.padded_dim_size - full.shape[dim]
         full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
-    blocks = full.split(spec.block_sizes(full.shape[dim]), dim=dim)
-    return torch.cat([b.chunk(tp_size, dim=dim)[tp_rank] for b in blocks], dim=dim)
+    rows = spec.rank_rows(tp_rank, tp_size, full.shape[dim])
+    return torch.cat([full.narrow(dim, lo, hi - lo) for lo, hi in rows], dim=dim)
 
 
 def unshard_tensor(shards: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
-    """Inverse of :func:`shard_full_tensor`: the full, unpadded tensor from every TP rank's shard, in rank order."""
+    """Inverse of :func:`shard_full_tensor`: the full, unpadded tensor from every TP rank's shard, in rank order
+    (a replicated block taken once, from the first rank of each set that shares it)."""
     if spec.partition_dim is None:
         return shards[0]
     dim = spec.partition_dim
-    per_rank = [s.split(spec.block_sizes(s.shape[dim]), dim=dim) for s in shards]
-    full = torch.cat([torch.cat([blocks[b] for blocks in per_rank], dim=dim) for b in range(spec.stride)], dim=dim)
+    per_rank = [s.split(spec.block_sizes(s.shape[dim], local=True), dim=dim) for s in shards]
+    full = torch.cat([torch.cat([blocks[b] for blocks in per_rank[::rep]], dim=dim)
+                      for b, rep in enumerate(spec.block_replicas())], dim=dim)
     return full.narrow(dim, 0, spec.full_shape[dim])
 
 
@@ -259,7 +297,10 @@ class ColumnParallelLinear(nn.Module):
     """``y = x A^T + b`` with A split by output rows: each rank computes its slice of the outputs.
 
     ``stride`` > 1 interleaves blocks (a fused QKV weight keeps each rank's q, k and v together); ``blocks``
-    gives their relative sizes where they differ (grouped-query attention's q, k, v: heads, kv heads, kv heads).
+    gives their relative sizes where they differ (grouped-query attention's q, k, v: heads, kv heads, kv heads),
+    ``replicas`` how many consecutive ranks share each block's shard (K/V heads fewer than the TP ranks); the
+    gradient of those rows is then summed over ``replica_group`` (the ranks sharing this rank's; without it the
+    layer runs forward only).
     With ``gather_output`` the full output is all-gathered; otherwise it stays split (feed a row-parallel layer).
     With ``sequence_parallel`` the input arrives as a sequence shard [B, S/tp, in] and is all-gathered along
     the sequence (its gradient reduce-scattered) instead of copied into the TP region.
@@ -267,24 +308,39 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, tp_group: Group | None, *, bias: bool = True,
                  std: float = 0.02, gather_output: bool = False, stride: int = 1,
-                 blocks: tuple[int, ...] | None = None, sequence_parallel: bool = False) -> None:
+                 blocks: tuple[int, ...] | None = None, sequence_parallel: bool = False,
+                 replicas: tuple[int, ...] | None = None, replica_group: Group | None = None) -> None:
         super().__init__()
         self.tp_group = tp_group
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
         tp_size, _ = tp_size_rank(tp_group)
-        local_out = _divide(out_features, tp_size, "output features")
         if blocks is not None:
             stride = len(blocks)
-        split = {"partition_dim": 0, "stride": stride, "blocks": blocks}
-        for size in ShardSpec((out_features,), "zeros", **split).block_sizes(out_features):
-            _divide(size, tp_size, "output features of each interleaved block")
+        replicas = replicas if replicas is not None and any(r > 1 for r in replicas) else None
+        split = {"partition_dim": 0, "stride": stride, "blocks": blocks, "replicas": replicas}
+        spec = ShardSpec((out_features,), "zeros", **split)
+        for size, rep in zip(spec.block_sizes(out_features), spec.block_replicas()):
+            _divide(size, _divide(tp_size, rep, "ranks sharing a block"), "output features of each interleaved block")
+        local_out = sum(n * rep // tp_size for n, rep in zip(spec.block_sizes(out_features), spec.block_replicas()))
+        # rows [shared_from:) of this rank's shard are shared with replica_group (replicated blocks come last)
+        reps = spec.block_replicas()
+        self.shared_from = sum(spec.block_sizes(local_out, local=True)[: reps.index(max(reps))]) if replicas else None
+        if replica_group is not None and replica_group.size != max(reps):
+            raise ValueError(f"replica_group of {replica_group.size} ranks for blocks shared by {max(reps)}")
+        self.replica_group = replica_group if replicas else None
         self.weight = _param((local_out, in_features), ShardSpec((out_features, in_features), "normal", std, **split))
         self.bias = _param((local_out,), ShardSpec((out_features,), "zeros", **split)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.weight, self.bias
+        if self.shared_from is not None and torch.is_grad_enabled():  # sum the shared rows' gradient over replicas
+            if self.replica_group is None:
+                raise RuntimeError("a layer with blocks shared by TP ranks needs replica_group to train")
+            weight, bias = (None if t is None else sum_shared_rows_grad(t, self.shared_from, self.replica_group)
+                            for t in (weight, bias))
         # [B, S, in] (SP: [B, S/tp, in] -> all-gather) -> [B, S, out/tp]
-        y = column_parallel_linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel)
+        y = column_parallel_linear(x, weight, bias, self.tp_group, self.sequence_parallel)
         return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
 

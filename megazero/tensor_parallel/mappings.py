@@ -51,6 +51,7 @@ __all__ = [
     "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_sequence_parallel_region",
     "scatter_to_tp_region",
+    "sum_shared_rows_grad",
 ]
 
 SEQ_DIM = 1  # activations are [batch, sequence, hidden]
@@ -264,3 +265,26 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, group: Group | None) -
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group | None) -> torch.Tensor:
     """Sum partial outputs over the group, keeping this rank's sequence chunk; all-gather the gradient."""
     return x if group is None or group.size == 1 else _apply(_ReduceScatterToSP, x, group)
+
+
+class _SumSharedRowsGrad(torch.autograd.Function):
+    """Identity on a column-parallel weight (or bias) whose rows from ``start`` on are shared by the ranks of
+    ``group`` (K/V heads replicated over TP ranks); backward sums those rows' gradient over ``group`` (in place,
+    on the gradient this layer alone produced), as :func:`copy_to_tp_region` sums an input's gradient."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, start: int, group: Group) -> torch.Tensor:
+        ctx.start, ctx.group = start, group
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        ctx.group.all_reduce(grad[ctx.start:], tag="kv_grad")  # dim 0's tail: one contiguous run
+        return grad, None, None
+
+
+@torch.compiler.disable
+def sum_shared_rows_grad(t: torch.Tensor, start: int, group: Group) -> torch.Tensor:
+    """``t`` itself, its rows ``start:`` gradient summed over ``group`` in backward; eager under torch.compile."""
+    return _SumSharedRowsGrad.apply(t, start, group)

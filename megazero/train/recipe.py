@@ -69,12 +69,15 @@ def split_for_pp(cfg: Config, ctx: ParallelContext) -> tuple[str, int, list[Stag
 
 def build_on_meta(cfg: Config, ctx: ParallelContext, specs: list[StageSpec], rng_tracker: RNGTracker) -> list[GPT]:
     """This rank's chunks on the meta device, their parallel layers sharded over ``ctx.tp_group``; attention
-    context-parallel over ``ctx.cp_group`` when cp > 1."""
+    context-parallel over ``ctx.cp_group`` when cp > 1; K/V heads shared over ``ctx.kv_group`` when tp exceeds
+    them (a collective call: every rank makes the groups)."""
+    replicas = ctx.tp_size // cfg.model.kv_heads
+    kv_group = ctx.kv_group(replicas) if replicas > 1 else None
     with torch.device("meta"):
         return [GPT(cfg.model, ctx.tp_group, layers=s.layers, pre_process=s.pre_process,
                     post_process=s.post_process, sequence_parallel=cfg.parallel.sequence_parallel,
                     rng_tracker=rng_tracker, activation_checkpointing=cfg.activation_checkpointing,
-                    cp_group=ctx.cp_group, cp_attention=cfg.parallel.cp_attention)
+                    cp_group=ctx.cp_group, cp_attention=cfg.parallel.cp_attention, kv_group=kv_group)
                 for s in specs]
 
 

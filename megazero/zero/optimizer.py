@@ -89,14 +89,23 @@ class StepStats:
     loss_scale: float | None = None
 
 
-def grad_norm_weights(model: nn.Module, tp_rank: int) -> dict[nn.Parameter, bool]:
-    """Which parameters this rank counts in the global gradient norm.
+def grad_norm_weights(model: nn.Module, tp_rank: int) -> dict[nn.Parameter, bool | int]:
+    """Which parameters (or leading elements of them) this rank counts in the global gradient norm.
 
     TP-sharded parameters count on every TP rank (each holds a different slice); parameters replicated across
-    TP (LayerNorms, row-parallel biases, position embeddings) count on TP rank 0 only. A summed all-reduce of
-    the squares over the model-parallel group then gives exactly the unsharded model's norm.
+    TP (LayerNorms, row-parallel biases, position embeddings) count on TP rank 0 only; K/V rows shared by
+    several TP ranks (tp > KV heads) count on the first of them, the others counting their shard's leading
+    elements only (an int). A summed all-reduce of the squares over the model-parallel group then gives exactly
+    the unsharded model's norm.
     """
-    return {p: p.shard_spec.partition_dim is not None or tp_rank == 0 for p in model.parameters()}
+    def counted(p: nn.Parameter) -> bool | int:
+        spec = p.shard_spec
+        if spec.partition_dim is None:
+            return tp_rank == 0
+        n = spec.unique_numel(tuple(p.shape), tp_rank)
+        return True if n == p.numel() else n
+
+    return {p: counted(p) for p in model.parameters()}
 
 
 class ZeroOptimizer:
@@ -122,7 +131,7 @@ class ZeroOptimizer:
         opt_cfg: OptimizerConfig,
         dp_group: Group,
         norm_group: Group | None = None,
-        norm_counted: dict[nn.Parameter, bool] | None = None,
+        norm_counted: dict[nn.Parameter, bool | int] | None = None,
         precision: str = "fp32",
         loss_scale_cfg: LossScaleConfig | None = None,
         align: int = 16,

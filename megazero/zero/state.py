@@ -75,13 +75,17 @@ class OwnedState:
         self.exp_avg = fp32(zero=True)
         self.exp_avg_sq = fp32(zero=True)
 
-    def runs(self, keep: Callable[[nn.Parameter], bool]) -> list[tuple[int, int]]:
-        """Merged ``[start, end)`` runs (owned coordinates) of the pieces whose parameter satisfies ``keep``;
-        a run never spans two segments."""
+    def runs(self, keep: Callable[[nn.Parameter], bool | int]) -> list[tuple[int, int]]:
+        """Merged ``[start, end)`` runs (owned coordinates) of the parameter elements ``keep`` selects: all of a
+        parameter's (True), none (False) or its first ``n`` flattened elements (an int ``n``: a TP shard whose
+        tail another rank holds too, K/V heads shared by TP ranks); a run never spans two segments."""
         runs: list[list[int]] = []
-        for seg, base in zip(self.store.segments, self.starts):
-            for p, a, b in seg.pieces:
-                if not keep(p):
+        for base, (ps, layout, rank) in zip(self.starts, self.store.layouts()):
+            for pc in layout.pieces(*layout.shard_range(rank)):
+                k, a, b = keep(ps[pc.index]), pc.offset, pc.offset + pc.numel
+                if not isinstance(k, bool):  # the first k elements of the parameter
+                    b = min(b, a + max(k - pc.param_offset, 0))
+                if not k or a >= b:
                     continue
                 if runs and runs[-1][1] == base + a and a > 0:  # within one segment
                     runs[-1][1] = base + b
