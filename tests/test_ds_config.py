@@ -25,6 +25,9 @@ REFUSED_BY_DESIGN = {
     "nvme_offload.json": r'`zero_optimization\.offload_(optimizer|param)\.device` "nvme".*use "cpu"',
     "lamb_optimizer.json": r'`optimizer\.type` "Lamb".*use "Adam" or "AdamW"',
 }
+# Configs whose settings need more ranks than one: judged at this world size. DeepSpeed's parser takes them at
+# any size; its engine asserts that hpZ's partition divides the world when it starts, as megazero's check does.
+WORLD_SIZE = {"zeropp_docs_zero3.json": 32}  # the ZeRO++ tutorial: hpZ over 16 ranks (one node of 16)
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-heads", "4", "--seq-len", "32", "--vocab-size", "512",
         "--train-steps", "2", "--eval-interval", "0", "--no-progress"]
 
@@ -52,7 +55,7 @@ def test_fixtures_have_recorded_verdicts() -> None:
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_verdict_matches_deepspeed(path: Path) -> None:
     deepspeed = json.loads(path.with_suffix(".verdict.json").read_text())
-    verdict, error, _ = megazero_verdict(path)
+    verdict, error, _ = megazero_verdict(path, WORLD_SIZE.get(path.name, 1))
     if path.name in REFUSED_BY_DESIGN:
         assert verdict == "refuse", f"{path.name} is documented as refused, but megazero accepts it"
         assert re.search(REFUSED_BY_DESIGN[path.name], error), error
@@ -102,6 +105,23 @@ def test_keys_without_effect_at_the_stage_are_ignored_as_deepspeed_ignores_them(
                                        "ZeRO stage 0" in w for w in warned), (error, warned)
     with pytest.raises(ConfigError, match="offload_param needs ZeRO stage 3"):
         parse_args(["--offload-param", "--zero-stage", "2"]).resolve(1)
+
+
+def test_zeropp_keys_take_effect_at_stage_3_and_are_ignored_below_it() -> None:
+    """The ZeRO++ tutorial's block (DeepSpeed accepts it) sets hpZ, qwZ and qgZ; at stage 2 DeepSpeed reads none of
+    them (accepted, recorded verdict), and megazero drops them with a warning; a negative partition size is refused
+    by both."""
+    cfg = parse_args(["--deepspeed-config", str(FIXTURES / "zeropp_docs_zero3.json")]).resolve(32)
+    z = cfg.zero
+    assert (z.stage, z.zero_hpz_partition_size, z.zero_quantized_weights, z.zero_quantized_gradients) == (
+        3, 16, True, True)
+    with pytest.raises(ConfigError, match=r"\(zero_hpz_partition_size\) 16 does not divide the 1 ZeRO"):
+        parse_args(["--deepspeed-config", str(FIXTURES / "zeropp_docs_zero3.json")]).resolve(1)
+    verdict, error, warned = megazero_verdict(FIXTURES / "zeropp_stage2_keys.json")
+    assert verdict == "accept" and any("no effect at ZeRO stage 2" in w and "zero_hpz_partition_size" in w
+                                       for w in warned), (error, warned)
+    verdict, error, _ = megazero_verdict(FIXTURES / "zeropp_bad_hpz.json")
+    assert verdict == "refuse" and "zero_hpz_partition_size" in error
 
 
 def test_steps_per_print_yields_to_log_interval() -> None:

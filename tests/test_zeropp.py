@@ -247,9 +247,9 @@ def _merged(world8: list[dict], key: str) -> tuple[list[float], dict]:
     (["--zero-stage", "2", *HPZ, "2"], 4, r"--zero-hpz-partition-size 2 \(hpZ\) partitions ZeRO-3's weights: use "
                                           r"--zero-stage 3, got 2"),
     (["--zero-stage", "3", *HPZ, "3", "--ranks-per-node", "4"], 8,
-     r"--zero-hpz-partition-size 3 does not divide the 4 ZeRO \(dp x cp\) ranks per node .* use a divisor of 4"),
+     r"--zero-hpz-partition-size \(zero_hpz_partition_size\) 3 does not divide the 4 ZeRO \(dp x cp\) ranks per node .* use a divisor of 4"),
     (["--zero-stage", "3", *HPZ, "4", "--ranks-per-node", "4", "--tp", "2"], 8,
-     r"--zero-hpz-partition-size 4 does not divide the 2 ZeRO"),
+     r"partition_size\) 4 does not divide the 2 ZeRO"),
     (["--zero-stage", "1", *QGZ], 4, r"--zero-quantized-gradients \(qgZ\) replaces the gradient reduce-scatter of "
                                      r"ZeRO stages 2-3: use --zero-stage 2 or 3, got 1"),
     (["--zero-stage", "2", *QWZ], 4, r"--zero-quantized-weights \(qwZ\) quantizes ZeRO-3's weight all-gathers: use "

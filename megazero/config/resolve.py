@@ -290,7 +290,8 @@ def _check_zeropp(cfg: Any, world_size: int) -> None:
         # the ZeRO (dp x cp) group of rank 0 (TP fastest, then CP, then DP): its members on the first node
         zero_per_node = sum((d * p.cp_size + c) * p.tp_size < local for d in range(dp) for c in range(p.cp_size))
         _require(z.zero_hpz_partition_size == 1 or zero_per_node % z.zero_hpz_partition_size == 0,
-                 f"--zero-hpz-partition-size {z.zero_hpz_partition_size} does not divide the {zero_per_node} ZeRO "
+                 f"--zero-hpz-partition-size (zero_hpz_partition_size) {z.zero_hpz_partition_size} does not divide "
+                 f"the {zero_per_node} ZeRO "
                  f"(dp x cp) ranks per node (--ranks-per-node {local} with tp {p.tp_size}); "
                  f"use a divisor of {zero_per_node}")
 
