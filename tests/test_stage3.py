@@ -199,7 +199,8 @@ class _Peaks:
         if block_grad:
             roots = sum(u.full.untyped_storage().nbytes() for u in self.store.units if u.is_root)
             self.root_in_blocks = max(self.root_in_blocks, roots)
-            self.staging_in_blocks |= set(sizes.values())
+            filed = {g.untyped_storage().data_ptr() for u in self.store.units for _, g in u.filed}
+            self.staging_in_blocks |= {n for k, n in sizes.items() if k not in filed}  # (not fresh gradients)
 
 
 def _named_masters(engine: Engine) -> dict[str, torch.Tensor]:

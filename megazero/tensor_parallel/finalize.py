@@ -53,15 +53,11 @@ def all_reduce_coalesced(tensors: Sequence[torch.Tensor], group: Group, tag: str
     dtype = tensors[0].dtype
     if buffer is None or buffer.numel() != n or buffer.dtype != dtype:
         buffer = torch.empty(n, dtype=dtype, device=group.device)
-    offset = 0
-    for t in tensors:
-        buffer[offset: offset + t.numel()].copy_(t.reshape(-1), non_blocking=True)
-        offset += t.numel()
+    views = list(torch.split(buffer, [t.numel() for t in tensors]))
+    views = [v.view_as(t) for v, t in zip(views, tensors)]
+    torch._foreach_copy_(views, list(tensors), non_blocking=True)  # one launch, not one copy per tensor
     group.all_reduce(buffer, tag=tag)
-    offset = 0
-    for t in tensors:
-        t.copy_(buffer[offset: offset + t.numel()].view_as(t))  # blocking: a host target is read next
-        offset += t.numel()
+    torch._foreach_copy_(list(tensors), views)  # blocking: a host target is read next
     return buffer
 
 

@@ -21,14 +21,17 @@ ADAM_CHUNK = 1 << 23
 
 
 def adam_update(p: torch.Tensor, g: OwnedGrads, lr: float, lo: int, hi: int, *, cfg: OptimizerConfig, step: int,
-                decay_runs: Sequence[tuple[int, int]], exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+                decay_runs: Sequence[tuple[int, int]], exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                step_tensor: torch.Tensor | None = None) -> None:
     """One Adam/AdamW update of the owned elements [lo, hi) of a flat partition, held in ``p``.
 
     ``g`` gives their gradients (fp32 views), ``exp_avg``/``exp_avg_sq`` are the whole partition's moments,
     ``decay_runs`` the [start, end) runs of weight-decayed elements (matrices) and ``step`` Adam's step count.
 
     Runs torch's fused Adam(W) kernel (CPU and CUDA) over the flat buffer's runs: the weight-decayed runs
-    (matrices) in one call, the others in a second; falls back to the same arithmetic in plain ops.
+    (matrices) in one call, the others in a second; falls back to the same arithmetic in plain ops. The
+    kernel reads Adam's step from a tensor on ``p``'s device: ``step_tensor`` (holding ``step``, kept by the
+    caller and advanced once per step) serves every run, so a step makes no tensor per run.
     """
     beta1, beta2 = cfg.betas
     t = step
@@ -46,18 +49,20 @@ def adam_update(p: torch.Tensor, g: OwnedGrads, lr: float, lo: int, hi: int, *, 
         runs.append((pos, hi, False))
     runs = [(a, b, d) for ra, rb, d in runs for a, b in split_runs([(ra, rb)], g.bounds)]
     fused = getattr(torch, "_fused_adamw_" if cfg.decoupled_weight_decay else "_fused_adam_", None)
+    if fused is not None and (step_tensor is None or step_tensor.device != p.device):
+        step_tensor = torch.full((), float(t), device=p.device)  # a fill: no host copy
+    gs_all = g.fp32_runs([(a, b) for a, b, _ in runs])  # 16-bit gradients: one conversion per segment
     for decayed in (True, False):
         sel = [(a - lo, b - lo) for a, b, d in runs if d == decayed]
         if not sel:
             continue
         ps = [p[a:b] for a, b in sel]
-        gs = [g.fp32(lo + a, lo + b) for a, b in sel]
+        gs = [x for x, (_, _, d) in zip(gs_all, runs) if d == decayed]
         ms, vs = ([x[lo + a: lo + b] for a, b in sel] for x in (exp_avg, exp_avg_sq))
         wd = cfg.weight_decay if decayed else 0.0
         if fused is not None:
-            steps = [torch.full((), float(t), device=p.device) for _ in sel]  # a fill: no host copy
-            fused(ps, gs, ms, vs, [], steps, lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=cfg.eps,
-                  amsgrad=False, maximize=False)
+            fused(ps, gs, ms, vs, [], [step_tensor] * len(sel), lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd,
+                  eps=cfg.eps, amsgrad=False, maximize=False)
             continue
         for pp, gg, m, v in zip(ps, gs, ms, vs):
             if wd and cfg.decoupled_weight_decay:

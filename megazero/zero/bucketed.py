@@ -58,15 +58,22 @@ class BucketedParams:
     ``groups`` are the model chunks of an interleaved pipeline (default: one): no bucket spans two groups, and
     a backward touches only the buckets of the chunk that ran. Policy:
 
-    * ``shard_gradients`` False (stages 0-1): one flat gradient buffer of Ψ elements, allocated once. A hook
-      copies the first gradient of a step into it (later micro-batches add), so it is never zeroed; with
-      ``grad_dtype`` equal to the model dtype ``p.grad`` then points into it and backward accumulates in
-      place, otherwise ``p.grad`` is dropped (Megatron-LM's ``main_grad``). During the last micro-batch's
+    * Gradients move into the flat buffers a bucket at a time, never a parameter at a time: a parameter's hook
+      only files its fresh gradient under its bucket; once the bucket's last gradient of the backward has
+      arrived (or the gradients it keeps alive reach :attr:`flush_numel` elements, the largest parameter's
+      size, so filing holds about one more parameter's gradient than copying each at once would) one
+      ``torch._foreach_copy_`` (the step's first gradient; it casts bf16 to fp32) or ``_foreach_add_`` (later
+      micro-batches) moves them all, so a step makes a few launches per bucket, not per parameter.
+    * ``shard_gradients`` False (stages 0-1): one flat gradient buffer of Ψ elements, allocated once and never
+      zeroed (the first flush of a step copies over the last step's values). With ``grad_dtype`` equal to the
+      model dtype ``p.grad`` points into it after each backward, otherwise ``p.grad`` is dropped (Megatron-LM's
+      ``main_grad``); each backward starts with ``p.grad`` None, so autograd hands over its fresh gradient
+      without accumulating into the view a parameter at a time. During the last micro-batch's
       backward of each group (known from :meth:`zero_grad`'s ``micro_batches``), a bucket is all-reduced
       (stage 0) or reduced-scattered in place (stage 1) as soon as its last gradient arrives, overlapped with
       the rest of backward (DDP-style; waited on in :meth:`reduce_gradients`). 2Ψ resp. Ψ per step, whatever
       the number of micro-batches m.
-    * ``shard_gradients`` True (stage 2): a hook copies each gradient into its bucket's staging buffer, taken
+    * ``shard_gradients`` True (stage 2): a bucket's gradients are flushed into its staging buffer, taken
       from a pool of ``max_inflight`` buffers of one bucket's size allocated once; a full bucket is
       reduce-scattered at once (asynchronously with ``overlap_comm``) and its shard copied or added into this
       rank's owned gradient buffer (one contiguous buffer of ~Ψ/Nd) when its buffer is needed again or at the
@@ -167,8 +174,12 @@ class BucketedParams:
                 grad = self.grad_flat[s + lo: s + hi]
             pieces = [(ps[pc.index], pc.offset, pc.offset + pc.numel) for pc in layout.pieces(lo, hi)]
             self.segments.append(OwnedSegment(self.param_flat[s + lo: s + hi], grad, pieces, init))
-        # gradients land in ``p.grad`` views of grad_flat (stages 0-1 in the model dtype) or pass through hooks
+        # stages 0-1 in the model dtype: ``p.grad`` is left pointing into grad_flat after each backward
         self._grad_views = not shard_gradients and gdt == dtype
+        # fresh gradients filed per bucket until flushed: (bucket) -> [(piece index, 1-D source)], their elements
+        self._filed: list[list[tuple[int, torch.Tensor]]] = [[] for _ in self.buckets]
+        self._filed_numel = [0] * len(self.buckets)
+        self.flush_numel = max((p.numel() for p in order), default=1)  # a bucket's filed gradients flush here
         # stage 2: the staging pool (allocated on first use, never again) and the buckets using it
         self._pool_numel = max((lay.padded_numel for _, _, lay in self.buckets), default=0)
         self._pool: list[torch.Tensor] = []
@@ -179,7 +190,7 @@ class BucketedParams:
         # stages 0-1: this step's reductions, started in the last micro-batch's backward of each group
         self._pending: list[object] = []
         self._launched = [False] * len(self.buckets)
-        self._written: set[nn.Parameter] = set()  # parameters whose gradient this step is in grad_flat
+        self._written: list[set[int]] = [set() for _ in self.buckets]  # pieces this step has in grad_flat
         self._owned_written = [False] * len(self.buckets)  # stage 2: owned slices holding this step's sums
         # per backward: pieces still to arrive per bucket, groups touched; per step: passes per group
         self._remaining = [len(ps) for _, ps, _ in self.buckets]
@@ -207,15 +218,24 @@ class BucketedParams:
         self.micro_batches = micro_batches
         self._passes = {}
         self._launched = [False] * len(self.buckets)
-        self._written = set()
+        self._written = [set() for _ in self.buckets]
         self._owned_written = [False] * len(self.buckets)
+        self._drop_filed()
         for p in self.params:
             p.grad = None
 
+    def _drop_filed(self) -> None:
+        self._filed = [[] for _ in self.buckets]
+        self._filed_numel = [0] * len(self.buckets)
+
     def start_backward(self) -> None:
-        """Reset the per-backward bookkeeping; call before each backward pass."""
+        """Reset the per-backward bookkeeping; call before each backward pass. ``p.grad`` becomes None, so
+        autograd hands each fresh gradient to the hooks instead of adding it into the buffer's view."""
         self._remaining = [len(ps) for _, ps, _ in self.buckets]
         self._touched = set()
+        if self._grad_views:
+            for p in self.params:
+                p.grad = None
 
     def _last_pass(self, b: int) -> bool:
         """Count this backward for bucket ``b``'s group; whether it is the group's last of the step."""
@@ -230,42 +250,74 @@ class BucketedParams:
         return self.micro_batches is not None and self._passes[g] == self.micro_batches
 
     def _on_grad(self, p: nn.Parameter) -> None:
+        """File ``p``'s fresh gradient under its buckets (no copy); flush and reduce the buckets it completes."""
         if p.grad is None:
             return
         pieces = self._pieces[p]
         last = self._last_pass(pieces[0][0])
-        if self.grad_flat is None:  # stage 2: into staging buffers, each reduced when its bucket is complete
-            g = p.grad.reshape(-1)
-            for b, off, base, n, j in pieces:
-                if b not in self._open:
-                    self._open[b] = self._acquire()
-                    self._filled[b] = set()
-                    layout = self.buckets[b][2]
-                    self._pool[self._open[b]][layout.numel: layout.padded_numel].zero_()
-                self._pool[self._open[b]][off: off + n].copy_(g[base: base + n])
-                self._filled[b].add(j)
-                self._remaining[b] -= 1
-                if self._remaining[b] == 0:
-                    self._launch_staged(b)
-            p.grad = None
-            return
-        if any(self._launched[b] for b, *_ in pieces):
+        if self.grad_flat is not None and any(self._launched[b] for b, *_ in pieces):
             raise RuntimeError("a gradient arrived for a bucket already reduced in this step: zero_grad("
                                "micro_batches=m) must state the number of backward passes per step")
-        view = self._grad_view(p)
-        if p not in self._written:  # the step's first gradient: copied over last step's
-            view.copy_(p.grad)
-            self._written.add(p)
-        elif not self._grad_views:  # accumulate in grad_dtype (fp32)
-            view.add_(p.grad)
-        elif not device_io.same_data(p.grad, view):  # bypassed the buffer (e.g. after model.zero_grad())
-            view.copy_(p.grad)
-        p.grad = view if self._grad_views else None
-        if last:
-            for b, *_ in pieces:
-                self._remaining[b] -= 1
-                if self._remaining[b] == 0:
+        g = p.grad
+        in_place = self._grad_views and device_io.same_data(g, self._grad_view(p))
+        if in_place:  # autograd added into the view (a backward without start_backward): already there
+            for b, _, _, _, j in pieces:
+                self._written[b].add(j)
+        else:
+            flat = g.reshape(-1)
+            for b, _, base, n, j in pieces:  # a piece keeps its whole gradient alive: counted in full
+                self._filed[b].append((j, flat[base: base + n]))
+                self._filed_numel[b] += flat.numel()
+        p.grad = None
+        for b, *_ in pieces:
+            self._remaining[b] -= 1
+            if self._remaining[b] == 0 or self._filed_numel[b] >= self.flush_numel:
+                self._flush(b)
+            if self._remaining[b] == 0:
+                if self.grad_flat is None:
+                    self._launch_staged(b)
+                elif last:
                     self._launch_flat(b)
+
+    def _flush(self, b: int) -> None:
+        """Move bucket ``b``'s filed gradients into its buffer: one foreach copy (their first gradient of the
+        step, or of this staging) and one foreach add (later ones), each casting to ``grad_dtype``."""
+        filed = self._filed[b]
+        if not filed:
+            return
+        self._filed[b], self._filed_numel[b] = [], 0
+        layout = self.buckets[b][2]
+        if self.grad_flat is None:  # stage 2: into the bucket's staging buffer
+            if b not in self._open:
+                self._open[b] = self._acquire()
+                self._filled[b] = set()
+                self._pool[self._open[b]][layout.numel: layout.padded_numel].zero_()
+            dest, seen = self._pool[self._open[b]], self._filled[b]
+        else:
+            dest, seen = self.grad_flat[self.buckets[b][0]:], self._written[b]
+        copy: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        add: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        for j, src in filed:
+            off = layout.offsets[j]
+            (add if j in seen else copy)[0].append(dest[off: off + src.numel()])
+            (add if j in seen else copy)[1].append(src)
+            seen.add(j)
+        if copy[0]:
+            torch._foreach_copy_(*copy)
+        if add[0]:
+            torch._foreach_add_(*add)
+
+    def _flush_all(self) -> None:
+        for b in range(len(self.buckets)):
+            self._flush(b)
+
+    def _expose(self) -> None:
+        """Stages 0-1 in the model dtype: ``p.grad`` views the buffer where this step's gradient is."""
+        if not self._grad_views:
+            return
+        for p in self.params:
+            if all(j in self._written[b] for b, _, _, _, j in self._pieces[p]):
+                p.grad = self._grad_view(p)
 
     # stage 2 -------------------------------------------------------------------------------------------
     def _acquire(self) -> int:
@@ -282,6 +334,7 @@ class BucketedParams:
         return self._free.pop()
 
     def _launch_staged(self, b: int) -> None:
+        self._flush(b)
         buf = self._open.pop(b)
         _, ps, layout = self.buckets[b]
         staging = self._pool[buf][: layout.padded_numel]
@@ -312,9 +365,10 @@ class BucketedParams:
 
     # stages 0-1 ----------------------------------------------------------------------------------------
     def _launch_flat(self, b: int) -> None:
+        self._flush(b)
         s, ps, layout = self.buckets[b]
-        for p, off, n in zip(ps, layout.offsets, layout.numels):  # no gradient this step: zeros
-            if p not in self._written:
+        for j, (off, n) in enumerate(zip(layout.offsets, layout.numels)):  # no gradient this step: zeros
+            if j not in self._written[b]:
                 self.grad_flat[s + off: s + off + n].zero_()
         g = self.grad_flat[s: s + layout.padded_numel]
         if self.shard_optimizer and self.reduce_scatter:
@@ -329,29 +383,40 @@ class BucketedParams:
             work.wait()
 
     def finish_backward(self) -> None:
-        """End of one backward pass. Stage 2: reduce the buckets this pass filled only partly, wait for every
-        reduction. Stages 0-1, last pass of a group: start the reductions of that group's remaining buckets."""
+        """End of one backward pass: flush every bucket's filed gradients. Stage 2: reduce the buckets this
+        pass filled only partly, wait for every reduction. Stages 0-1, last pass of a group: start the
+        reductions of that group's remaining buckets."""
         if self.grad_flat is None:
+            self._flush_all()
             for b in sorted(self._open):
                 self._launch_staged(b)
             while self._inflight:
                 self._wait_oldest()
-        elif self.micro_batches is not None:
-            last = {g for g in self._touched if self._passes[g] == self.micro_batches}
-            for b, g in enumerate(self._bucket_group):
-                if g in last and not self._launched[b]:
-                    self._launch_flat(b)
+        else:
+            self._flush_all()
+            if self.micro_batches is not None:
+                last = {g for g in self._touched if self._passes[g] == self.micro_batches}
+                for b, g in enumerate(self._bucket_group):
+                    if g in last and not self._launched[b]:
+                        self._launch_flat(b)
+            self._expose()
         self.start_backward()
 
     def reduce_gradients(self) -> None:
         """At the accumulation boundary. Stages 0-1: reduce the buckets not reduced yet, wait for all. Stage 2:
         zero the owned slices no gradient reached this step."""
         if self.grad_flat is None:
+            self._flush_all()  # gradients of a backward run without finish_backward
+            for b in sorted(self._open):
+                self._launch_staged(b)
+            while self._inflight:
+                self._wait_oldest()
             for b, written in enumerate(self._owned_written):
                 if not written:
                     self.segments[b].grad.zero_()
                     self._owned_written[b] = True
             return
+        self._flush_all()
         for b in range(len(self.buckets)):
             if self._launched[b]:
                 continue
@@ -359,12 +424,13 @@ class BucketedParams:
                 view = self._grad_view(p)
                 if p.grad is not None and not device_io.same_data(p.grad, view):
                     view.copy_(p.grad)
-                    self._written.add(p)
-                p.grad = view if p in self._written else None
+                    for c, _, _, _, j in self._pieces[p]:
+                        self._written[c].add(j)
             self._launch_flat(b)
         for work in self._pending:
             work.wait()
         self._pending.clear()
+        self._expose()
 
     # -- parameters ----------------------------------------------------------------------------------------
     def after_step(self) -> None:
@@ -408,6 +474,7 @@ class BucketedParams:
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The buffers this store holds right now, by category: ``params``, ``grads`` (the accumulated or
-        owned gradient) and ``comm`` (stage 2's staging pool: communication buffers, allocated once)."""
+        owned gradient, and fresh gradients filed but not flushed yet) and ``comm`` (stage 2's staging pool: communication buffers, allocated once)."""
         grads = [self.grad_flat if self.grad_flat is not None else self.owned_grad]
+        grads += [t for filed in self._filed for _, t in filed]  # fresh gradients not flushed yet
         return {"params": [self.param_flat], "grads": grads, "comm": list(self._pool)}

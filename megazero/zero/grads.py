@@ -92,6 +92,23 @@ class OwnedGrads:
         out = t.float()
         return out.mul_(self._factor) if self._factor != 1.0 else out
 
+    def fp32_runs(self, runs: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
+        """:meth:`fp32` of each ``[a, b)`` of ``runs`` (sorted, each within one part): views of fp32 parts; for
+        16-bit parts one conversion of the span the part's runs cover (not one per run), sliced."""
+        out: list[torch.Tensor] = []
+        i = 0
+        while i < len(runs):
+            a0 = runs[i][0]
+            part = bisect.bisect_right(self.bounds, a0) - 1
+            j = i
+            while j + 1 < len(runs) and bisect.bisect_right(self.bounds, runs[j + 1][0]) - 1 == part:
+                j += 1
+            z = runs[j][1]
+            span = self.fp32(a0, z)
+            out += [span[a - a0: b - a0] for a, b in runs[i: j + 1]]
+            i = j + 1
+        return out
+
     def scale_(self, factor: float) -> None:
         """Multiply every gradient by ``factor`` (unscaling and clipping)."""
         if factor == 1.0:

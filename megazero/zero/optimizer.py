@@ -31,6 +31,12 @@ micro-batch's backward when :meth:`ZeroOptimizer.zero_grad` is told the number o
 step.
 ``contiguous_gradients`` is always in effect: owned gradients live in one contiguous buffer.
 
+The step works on flat buckets, never a parameter at a time (what a GPU launches grows with the buckets): fresh
+gradients are moved into their bucket by one foreach copy or add per bucket and micro-batch (cast to fp32 on the
+way), the norm is one ``_foreach_norm``, Adam(W) one fused call per flat run list with one persistent step tensor,
+the fp32 master is written into the parameters by one foreach copy, and sequence parallelism's partial
+gradients travel in one flat all-reduce (``tests/test_step_ops.py`` counts the dispatched ops).
+
 The optimizer owns the step; the rest is delegated by role: where parameters and gradients live and the hooks
 that reduce them (:mod:`.store`), the fp32 master and Adam moments and their checkpoint form (:mod:`.state`),
 ZeRO-Offload's host side (:mod:`.offload`) and the memory accounting (:mod:`.accounting`).
@@ -189,6 +195,7 @@ class ZeroOptimizer:
         self._sp_buffer: torch.Tensor | None = None
         self.scaler = make_loss_scaler(precision, loss_scale_cfg)
         self.step_count = 0
+        self._step_tensor: torch.Tensor | None = None  # step_count on the moments' device (adam_update)
         self.skipped_steps = 0  # steps skipped for a non-finite gradient norm (fp16 overflows included)
         self.consecutive_skips = 0  # of them, in a row up to the last step (non-finite norm without scaler)
 
@@ -364,10 +371,13 @@ class ZeroOptimizer:
         offload; a separate fp32 master is updated in chunks, so 16-bit gradients are converted to fp32 one
         chunk at a time."""
         self.step_count += 1
+        if self._step_tensor is None:  # Adam's step for the fused kernel: one tensor beside the moments, kept
+            self._step_tensor = torch.zeros((), dtype=torch.float32, device=self.state.exp_avg.device)
+        self._step_tensor.fill_(float(self.step_count))  # one fill per step (no host copy), whatever the runs
 
         def update(p: torch.Tensor, lo: int, hi: int) -> None:  # owned elements [lo, hi), held in ``p``
             adam_update(p, g, lr, lo, hi, cfg=self.opt_cfg, step=self.step_count, decay_runs=self._decay_runs,
-                        exp_avg=self.state.exp_avg, exp_avg_sq=self.state.exp_avg_sq)
+                        exp_avg=self.state.exp_avg, exp_avg_sq=self.state.exp_avg_sq, step_tensor=self._step_tensor)
 
         master = self.state.master
         if self.host is not None:  # each updated chunk is copied back to the device parameters

@@ -94,9 +94,13 @@ class OwnedState:
         return [(a, b) for a, b in runs]
 
     def write_params(self) -> None:
-        """Copy the separate fp32 master into the model's parameters (rounded to the model dtype)."""
-        for s, a in zip(self.store.segments, self.starts):
-            s.param.copy_(self.master[a: a + s.param.numel()])
+        """Copy the separate fp32 master into the model's parameters (rounded to the model dtype): one
+        ``torch._foreach_copy_`` over every owned segment (one launch where they share a device), not a copy
+        per segment."""
+        segs = self.store.segments
+        if segs:
+            torch._foreach_copy_([s.param for s in segs],
+                                 [self.master[a: a + s.param.numel()] for s, a in zip(segs, self.starts)])
 
     def master_params(self, model: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
         """The full fp32 master value of every trainable parameter of ``model``, by name: a collective over the

@@ -261,27 +261,57 @@ class Stage3Params:
         return buf
 
     def _on_grad(self, unit: Unit, p: nn.Parameter) -> None:
+        """File ``p``'s fresh gradient with its unit (a root unit's stays ``p.grad``, which later uses of the
+        parameter in this backward add to); stage the filed ones once they reach the unit's largest parameter's
+        size; reduce the unit once its last gradient has arrived."""
         if p.grad is None:
             return
         i = unit.index[p]
         self._touched.add(unit.chunk)
-        if unit.is_root:  # gradients straggle over the whole backward: keep them as .grad until the last
-            if not unit.arrived[i]:
-                unit.arrived[i] = True
-                unit.remaining -= 1
-        else:
-            if unit.staging is None:
+        if not unit.is_root:
+            if unit.staging is None:  # the slot the unit's gradients are staged in: taken as they begin
                 unit.staging = self._staging(unit)
-            o, n = unit.layout.offsets[i], unit.layout.numels[i]
-            if unit.arrived[i]:  # a second gradient in one backward (a parameter used after its first backward)
-                unit.staging[o: o + n].add_(p.grad.reshape(-1))
-            else:  # the usual case: copy, so the staging buffer needs no zeroing
-                unit.staging[o: o + n].copy_(p.grad.reshape(-1))
-                unit.arrived[i] = True
-                unit.remaining -= 1
-            p.grad = None
+            unit.filed.append((i, p.grad.reshape(-1)))
+            unit.filed_numel, p.grad = unit.filed_numel + p.numel(), None
+            if unit.filed_numel >= unit.flush_numel:
+                self._stage(unit)
+        if not unit.arrived[i]:
+            unit.arrived[i] = True
+            unit.remaining -= 1
         if unit.remaining == 0 and not unit.reduced:
             self._reduce(unit)
+
+    def _stage(self, unit: Unit) -> None:
+        """Move ``unit``'s filed gradients into its staging buffer: one ``torch._foreach_copy_`` (a parameter's
+        first gradient of this backward) and one ``_foreach_add_`` (a second one), never a copy per parameter."""
+        staging, layout = unit.staging, unit.layout
+        if unit.is_root:
+            filed = [(i, p.grad.reshape(-1)) for i, p in enumerate(unit.params) if p.grad is not None]
+            for p in unit.params:
+                p.grad = None
+        else:
+            filed, unit.filed, unit.filed_numel = unit.filed, [], 0
+        copy: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        add: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        for i, g in filed:
+            o = layout.offsets[i]
+            (add if i in unit.staged else copy)[0].append(staging[o: o + g.numel()])
+            (add if i in unit.staged else copy)[1].append(g)
+            unit.staged.add(i)
+        if copy[0]:
+            torch._foreach_copy_(*copy)
+        filed = g = copy = None  # the fresh gradients are freed as soon as they are staged
+        if add[0]:
+            torch._foreach_add_(*add)
+
+    def _flush(self, unit: Unit) -> None:
+        """Stage what is filed, and zeros where no gradient arrived (and in the padding)."""
+        self._stage(unit)
+        layout, staging = unit.layout, unit.staging
+        for i, (o, n) in enumerate(zip(layout.offsets, layout.numels)):
+            if i not in unit.staged:
+                staging[o: o + n].zero_()
+        staging[layout.numel:].zero_()
 
     def _reduce(self, unit: Unit) -> None:
         """``unit``'s backward is done: release it and reduce-scatter its gradients (bounded in flight)."""
@@ -292,21 +322,10 @@ class Stage3Params:
                   and g.is_contiguous())  # one parameter, no padding: its own .grad is the reduction's input
         if direct:
             unit.staging, unit.staging_slot, unit.params[0].grad = g.view(-1), None, None
-        elif unit.staging is None:
-            unit.staging = self._staging(unit)
-            if not unit.is_root:
-                unit.staging.zero_()
-        if not direct and (unit.is_root or any(unit.arrived)):  # padding, parameters without a gradient: zeros
-            for i, (p, o, n) in enumerate(zip(unit.params, unit.layout.offsets, unit.layout.numels)):
-                if not unit.arrived[i]:
-                    unit.staging[o: o + n].zero_()
-                elif unit.is_root:  # the gradients kept as .grad (root units)
-                    if p.grad is None:
-                        unit.staging[o: o + n].zero_()
-                    else:
-                        unit.staging[o: o + n].copy_(p.grad.reshape(-1))
-                        p.grad = None
-            unit.staging[unit.layout.numel:].zero_()
+        else:
+            if unit.staging is None:
+                unit.staging = self._staging(unit)
+            self._flush(unit)
         flat, slot, unit.staging, unit.staging_slot = unit.staging, unit.staging_slot, None, None
         first = not unit.grad_live  # the step's first reduction of this unit allocates its owned gradient
         if first:
@@ -356,7 +375,8 @@ class Stage3Params:
         return unit.grad
 
     def _held_staging(self) -> list[torch.Tensor]:
-        return [u.staging for u in self.units if u.staging is not None] + [e[2] for e in self._inflight]
+        filed = [g for u in self.units for _, g in u.filed]  # fresh gradients not yet staged
+        return [u.staging for u in self.units if u.staging is not None] + [e[2] for e in self._inflight] + filed
 
     # -- the store interface the optimizer drives ----------------------------------------------------------
     def zero_grad(self) -> None:

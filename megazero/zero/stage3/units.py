@@ -92,8 +92,9 @@ class Unit:
     """One gather unit: parameters viewed into ``full`` (storage freed while released), sharded over DP.
 
     ``shard`` is this rank's slice of the flat parameters (model dtype; in host memory with ``offload_param``),
-    ``grad`` its slice of the reduced gradient (the reduction dtype); ``staging`` collects this backward's
-    local gradients until the unit is reduce-scattered.
+    ``grad`` its slice of the reduced gradient (the reduction dtype); ``filed`` holds this backward's fresh
+    local gradients until they reach ``flush_numel`` elements (the largest parameter's) or the unit is complete,
+    when one foreach copy moves them into ``staging``, which is reduce-scattered.
     """
 
     def __init__(self, uid: int, spec: UnitSpec, layout: FlatLayout, shard: torch.Tensor, grad: torch.Tensor,
@@ -113,10 +114,15 @@ class Unit:
         self.remaining = len(self.params)
         self.reduced = False
         self.staging: torch.Tensor | None = None
+        self.filed: list[tuple[int, torch.Tensor]] = []  # (parameter index, fresh gradient) not yet staged
+        self.filed_numel = 0
+        self.flush_numel = max(p.numel() for p in self.params)  # filed gradients are staged from this size on
+        self.staged: set[int] = set()  # parameters staged in this backward
         self.staging_slot: torch.Tensor | None = None  # the pool's slot ``staging`` views (None: its own memory)
 
     def reset_backward(self) -> None:
         self.arrived = [False] * len(self.params)
+        self.filed, self.filed_numel, self.staged = [], 0, set()
         self.remaining, self.reduced = len(self.params), False
 
     def __repr__(self) -> str:
