@@ -6,10 +6,11 @@ Without processes: every rank's qkv shard is its query head's rows and its K/V h
 once; the gradient norm counts the shared rows on one rank of each pair; the estimator's per-rank parameters are
 the model's. One 4-rank world then trains, against one process and the independent reference (Hugging Face
 ``LlamaForCausalLM``, torch AdamW, ``clip_grad_norm_``): tp 4 with and without SP, a checkpoint saved at tp 4
-resumed at tp2·dp2 and one saved at tp2·dp2 resumed at tp 4, and ``--init-from`` a Hugging Face Llama directory;
-the ledger shows one all-reduce of the K/V rows' gradient per layer and micro-batch over the pairs. Negative
-controls: without the sum over the pair, or with the shared rows counted twice in the gradient norm (clipping is
-active), the weights miss.
+resumed at tp2·dp2 and one saved at tp2·dp2 resumed at tp 4, ``--init-from`` a Hugging Face Llama directory, and
+one K/V head on both ranks of tp 2 under zero-bubble's split backward (tp2·pp2, zb-h1); the ledger shows one
+all-reduce of the K/V rows' gradient per layer and micro-batch over the pairs; the saved-tensor counter at tp 4
+equals the estimate, and the logits equal one process's. Negative controls: without the sum over the pair (tp 4
+and zb-h1), or with the shared rows counted twice in the gradient norm (clipping is active), the weights miss.
 """
 
 from __future__ import annotations
@@ -98,6 +99,12 @@ def _config(flags: list[str], cache: str, log_dir: str):
     return configure_from_inputs(cfg) if "--init-from" in flags else cfg
 
 
+def _kv_summed(ctx) -> int:
+    """Elements the ledger counted for the K/V rows' gradient sums (over tp_kv, or the TP group when it is one)."""
+    return sum(n for (group, op, tag), n in ctx.ledger.totals.items()
+               if group in ("tp_kv", "tp") and op == "all_reduce" and tag == "kv_grad")
+
+
 def _runs(ctx, plan: list, cache: str, log_dir: str) -> list:
     """Train each ``(grid, mutation, flags)``: ``grid`` None is this world's, else RankGrid.from_world arguments;
     returns per run (losses, full state on tp_rank = dp_rank = 0, K/V gradient elements this rank summed)."""
@@ -106,11 +113,11 @@ def _runs(ctx, plan: list, cache: str, log_dir: str) -> list:
     out = []
     for i, (grid, mutation, flags) in enumerate(plan):
         sub = ctx if grid is None else ParallelContext.from_grid(RankGrid.from_world(ctx.world_size, **grid))
-        before = sub.ledger.totals.get(("tp_kv", "all_reduce", "kv_grad"), 0)
+        before = _kv_summed(sub)
         with mock.patch(*MUTATIONS[mutation]) if mutation else contextlib.nullcontext():
             s = run_training(_config(flags, cache, f"{log_dir}/{i}").resolve(ctx.world_size), sub,
                              keep_final_state=True)
-        kv = sub.ledger.totals.get(("tp_kv", "all_reduce", "kv_grad"), 0) - before
+        kv = _kv_summed(sub) - before
         out.append((s.losses, s.final_state if sub.tp_rank == 0 and sub.dp_rank == 0 else None, kv))
     return out
 
@@ -135,6 +142,10 @@ def _activations(ctx) -> dict[str, int]:
             loss = model(ids, ids.roll(1, 1)).mean()
         loss.backward()
         out[mode] = counter.last
+    # decoding runs forward only (no K/V group needed): the logits of the whole model
+    model.eval()
+    with torch.no_grad():
+        out["logits"] = model.full_logits(ids)
     return out
 
 
@@ -165,7 +176,8 @@ def hf_dir(data_cache, tmp_path_factory):
 def single(data_cache, hf_dir, tmp_path_factory) -> dict:
     """One process: the Llama run (4 steps), the first 3 and all 6 steps of a 6-step schedule, and 3 steps from
     the Hugging Face directory."""
-    plan = {"four": [*LLAMA, *FOUR], "three": [*LLAMA, *THREE], "six": [*LLAMA, *SIX], "hf": [*hf_dir, *THREE]}
+    plan = {"four": [*LLAMA, *FOUR], "three": [*LLAMA, *THREE], "six": [*LLAMA, *SIX], "hf": [*hf_dir, *THREE],
+            "mqa": [*LLAMA, *FOUR, "--num-kv-heads", "1"]}
     out = run_world(_runs, 1, [(None, None, [*ONE, *f]) for f in plan.values()], data_cache,
                     str(tmp_path_factory.mktemp("kv-single")))
     return dict(zip(plan, [(losses, state) for losses, state, _ in out[0]]))
@@ -184,8 +196,14 @@ def tp4(data_cache, hf_dir, tmp_path_factory) -> dict:
             "saved at tp2·dp2": (tp2dp2, None, [*LLAMA, *THREE, "--micro-batch-size", "4", "--tp", "2",
                                                 "--zero-stage", "1", "--save", f"{ck}/b"]),
             "resumed at tp4": (None, None, [*LLAMA, *SIX, *ONE, "--tp", "4", "--load", f"{ck}/b"]),
-            "from Hugging Face at tp4": (None, None, [*hf_dir, *THREE, *ONE, "--tp", "4"])}
+            "from Hugging Face at tp4": (None, None, [*hf_dir, *THREE, *ONE, "--tp", "4"]),
+            # one K/V head shared by both TP ranks (the TP group is the K/V group), zero-bubble's split backward
+            "MQA at tp2·pp2, zb-h1": ({"tp_size": 2, "pp_size": 2}, None, [
+                *LLAMA, *FOUR, "--num-kv-heads", "1", "--micro-batch-size", "2", "--tp", "2", "--pp", "2",
+                "--pp-schedule", "zb-h1"])}
     plan.update({m: (None, m, [*LLAMA, *FOUR, *ONE, "--tp", "4"]) for m in MUTATIONS})
+    plan["MQA zb-h1 without the sum"] = (plan["MQA at tp2·pp2, zb-h1"][0], "no K/V gradient sum",
+                                         plan["MQA at tp2·pp2, zb-h1"][2])
     ranks = run_world(_tp4_world, 4, list(plan.values()), data_cache, str(ck / "logs"), tp=4)
     results = [runs for runs, _ in ranks]
     merged = merge_runs([[(losses, state) for losses, state, _ in rank] for rank in results])
@@ -236,16 +254,30 @@ def test_hugging_face_weights_at_tp4_match_one_process(tp4, single):
     assert_matches_reference(*tp4["runs"]["from Hugging Face at tp4"], single["hf"], TOL)
 
 
+def test_one_kv_head_on_two_tp_ranks_under_the_zero_bubble_schedule(tp4, single):
+    """Multi-query attention at tp 2 (its one K/V head on both ranks, summed over the TP group itself) with the
+    split backward of zb-h1 at pp 2, 4 micro-batches: the one-process run."""
+    assert_matches_reference(*tp4["runs"]["MQA at tp2·pp2, zb-h1"], single["mqa"], TOL)
+    per_call = 2 * (2 * CFG.head_dim * CFG.hidden_size)  # each stage holds 2 of the 4 layers
+    assert tp4["kv"]["MQA at tp2·pp2, zb-h1"] == (per_call * 2 * 4 * SPEC.train_steps,) * 4
+
+
 def test_activations_at_tp4_equal_the_estimate(tp4):
     """A rank's qkv output holds its query head and the shared K/V head (not 2 x kv / tp of one); its attention
-    is then multi-head (one query head on one K/V head, nothing repeated): the estimate counts exactly that."""
+    is then multi-head (one query head on one K/V head, nothing repeated): the estimate counts exactly that.
+    The trained-from-seed model's logits at tp 4 (forward only, as generation runs it) equal one process's."""
     from dataclasses import replace
 
     from megazero.config.schema import model_preset
     from megazero.plan.estimate import activation_bytes
 
     cfg = replace(model_preset("llama-tiny"), num_layers=2)
+    single = GPT(cfg).eval()
+    init_parameters(single, 0)
+    ids = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+    want = single.full_logits(ids)
     for acts in tp4["activations"]:
+        torch.testing.assert_close(acts.pop("logits"), want, rtol=1e-5, atol=1e-5)  # tp 4 equals one process
         for mode, measured in acts.items():
             est = activation_bytes(cfg, 1, tp_size=4, precision="fp32", checkpointing=mode, fused_attention=True,
                                    mask_bytes=4, fused_norm=False)
@@ -253,6 +285,6 @@ def test_activations_at_tp4_equal_the_estimate(tp4):
 
 
 def test_negative_controls_miss(tp4, single):
-    for m in MUTATIONS:
+    for m, expected in [*((m, "four") for m in MUTATIONS), ("MQA zb-h1 without the sum", "mqa")]:
         with pytest.raises(AssertionError, match="relative error|normwise error"):
-            assert_matches_reference(*tp4["runs"][m], single["four"], TOL)
+            assert_matches_reference(*tp4["runs"][m], single[expected], TOL)
