@@ -23,6 +23,7 @@ from megazero.config.schema import ConfigError, ConfigWarning
 from megazero.distributed.context import ParallelContext, RankGrid
 from megazero.distributed.ledger import VOLUME_TAGS
 from megazero.model.gpt import GPT, init_parameters
+from megazero.plan.zeropp import zeropp_bytes
 from megazero.train.engine import Engine
 from megazero.zero.qgz import qgz_reduce_scatter
 from megazero.zero.quantize import GRAD_BLOCK, WEIGHT_BLOCK, dequantize, error_bound, quantize
@@ -212,6 +213,15 @@ def test_bytes_per_link_equal_the_formulas_at_dp8_on_two_nodes(world8) -> None:
         assert got == pytest.approx(node[name], rel=1e-12), name
     # the paper's 3Ψ -> 0.75Ψ (16-bit units) per node, scales included (a few % at these small shards)
     assert node["all"] / 2 / psi == pytest.approx(0.75, rel=0.08)
+    # the planner's figures (megazero/plan/zeropp.py: no padding to whole blocks, scales per 256/128 values)
+    # within 5% of these (shards of a few thousand elements pad to whole blocks: 1% for qwZ, 3% for qgZ here)
+    flags = {"zero3": (False, False, False), "hpz": (True, False, False), "hpz+qwz": (True, True, False),
+             "all": (True, True, True)}
+    for name, (hpz, qwz, qgz) in flags.items():
+        inter, intra, per_node, _ = zeropp_bytes(psi, 1, L, M, hpz, qwz, qgz, grad_bytes=2)
+        assert inter == pytest.approx(expected[name]["inter"], rel=0.05), name
+        assert intra == pytest.approx(expected[name]["intra"], rel=0.05), name
+        assert per_node == pytest.approx(node[name], rel=0.05), name
     # hpZ's extra memory, from the tensors held: 1/N of the 16-bit weights (2Ψ/N bytes), N = 4
     assert runs["hpz"]["held"] - runs["zero3"]["held"] == 2 * psi // L
 
@@ -273,3 +283,22 @@ def test_deepspeed_keys_take_effect_and_are_ignored_below_stage_3(tmp_path) -> N
     with pytest.warns(ConfigWarning, match="zero_hpz_partition_size.* no effect at ZeRO stage 2"):
         z = parse_args(["--deepspeed-config", str(tmp_path / "z2.json")]).resolve(8).zero
     assert (z.zero_hpz_partition_size, z.zero_quantized_weights, z.zero_quantized_gradients) == (1, False, False)
+
+
+def test_the_planner_ranks_zeropp_settings_on_two_nodes_at_100_gbps() -> None:
+    from megazero.config.schema import model_preset
+    from megazero.plan.roofline import cluster
+    from megazero.plan.search import Layout
+    from megazero.plan.zeropp import rank_zeropp, spans_nodes
+
+    c = cluster("h100", 8, inter_node_bytes_per_s=100e9 / 8 / 8)  # 100 Gb/s per node, shared by its 8 GPUs
+    lay = Layout(tp=1, pp=1, dp=16, zero_stage=3, micro_batch_size=2)
+    assert spans_nodes(lay, c)
+    ranked = {z.name: z for z in rank_zeropp(model_preset("gpt2-1.3b"), lay, 32, c)}
+    order = sorted(ranked, key=lambda n: ranked[n].plan.time.total)
+    assert order[0] == "hpz+qwz+qgz" and order[-1] == "zero3", order
+    z3, pp = ranked["zero3"], ranked["hpz+qwz+qgz"]
+    psi = z3.inter_bytes / 8  # bf16: 2Ψ + 2Ψ of weights, 4Ψ of fp32 gradients, one micro-batch
+    assert pp.node_inter_bytes / psi == pytest.approx(1 + 4 / 256 + 0.5 + 4 / 128)  # INT8 + INT4, scales included
+    assert ranked["hpz"].extra_bytes == pytest.approx(2 * psi / 8)  # the secondary copy over the node's 8 ranks
+    assert pp.plan.time.dp_comm < z3.plan.time.dp_comm / 4

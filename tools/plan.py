@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--memory-fraction", type=float, default=0.9,
                    help="usable share of device memory (default 0.9)")
     p.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")
+    p.add_argument("--zeropp", action="store_true",
+                   help="rank ZeRO++ settings (hpZ, qwZ, qgZ) on the fastest ZeRO-3 layout that fits (whose ZeRO group "
+                        "spans nodes, if any): step time and "
+                        "bytes per link, beside the fastest layout of any stage (megazero/plan/zeropp.py)")
     p.add_argument("--confirm", type=int, default=0, metavar="N",
                    help="dry-run the N fastest layouts (every rank role, the real step on meta tensors) and "
                         "print their measured peaks (default 0; minutes for large models)")
@@ -135,9 +139,36 @@ def main(argv: list[str] | None = None) -> int:
     model_flags = ["--model", args.model] + [f"--{k.replace('_', '-')} {v}" for k, v in shape.items()
                                              if v is not None]
     print(report(plans, tried, time.perf_counter() - start, args, model_flags, c))
+    if args.zeropp and plans:
+        print("\n" + zeropp_report(plans, model, args, c))
     if args.confirm and plans:
         print("\n" + confirm(plans[:args.confirm], model_flags, args, c))
     return 0 if plans else 1
+
+
+def zeropp_report(plans: list[Plan], model, args: argparse.Namespace, c) -> str:
+    """ZeRO++ settings on the fastest ZeRO-3 layout that fits, fastest first, with the bytes behind each."""
+    from megazero.plan.zeropp import rank_zeropp, spans_nodes
+
+    stage3 = [pl for pl in plans if pl.layout.zero_stage == 3]
+    if not stage3:
+        return "ZeRO++: no ZeRO-3 layout fits (add 3 to --zero-stages)"
+    across = [pl for pl in stage3 if spans_nodes(pl.layout, c)]  # ZeRO++ changes nothing inside one node
+    lay = (across or stage3)[0].layout
+    ranked = rank_zeropp(model, lay, args.global_batch_size, c, args.precision)
+    best = plans[0]
+    lines = [f"ZeRO++ on the fastest ZeRO-3 layout{' whose ZeRO group spans nodes' if across else ''} (tp {lay.tp}, pp {lay.pp}, dp {lay.dp}, cp {lay.cp}, micro-batch "
+             f"{lay.micro_batch_size}, {lay.checkpointing} recompute); the fastest layout of any stage (#1, ZeRO-"
+             f"{best.layout.zero_stage}) takes {best.time.total:.3f} s",
+             "setting        step s   DP s  inter GB/rank  inter GB/node  intra GB/rank  hpZ extra GB  peak GB  fits"]
+    for z in ranked:
+        pl = z.plan
+        lines.append(f"{z.name:<13} {pl.time.total:7.3f} {pl.time.dp_comm:6.3f} {z.inter_bytes / 1e9:14.2f} "
+                     f"{z.node_inter_bytes / 1e9:14.2f} {z.intra_bytes / 1e9:14.2f} {z.extra_bytes / 1e9:13.2f} "
+                     f"{pl.peak_bytes / 1e9:8.1f}  {'yes' if pl.fits else 'no'}")
+    lines.append("bytes per step: inter-node per rank as the ledger counts them, per node what its network carries "
+                 "(flat collectives cross it once, qgZ's inter-node all-to-all once per rank of the node)")
+    return "\n".join(lines)
 
 
 def confirm(plans: list[Plan], model_flags: list[str], args: argparse.Namespace, c) -> str:
