@@ -164,8 +164,11 @@ def _bytes_runs(ctx) -> dict:
 
 def _parity_runs(ctx) -> dict:
     out = {}
-    for name, extra in (("zero3", []), ("hpz", HPZ + ["4"]), ("hpz+offload", HPZ + ["4", "--offload-param"])):
+    for name, extra in (("zero3", []), ("hpz", HPZ + ["4"]), ("hpz+offload", HPZ + ["4", "--offload-param"]),
+                        ("all", HPZ + ["4"] + QWZ + QGZ)):
         eng = _engine(ctx, ["--ranks-per-node", "4", *extra])
+        if name in ("zero3", "all"):  # the export before any step: exact 16-bit gathers, never quantized ones
+            out[f"{name}/init"] = eng.full_state_dict()
         out[name] = (_train(ctx, eng, 2), eng.full_state_dict())
     # (grid, ranks per node, hpZ size): ZeRO over dp 4 with 2 of its ranks per node; under cp 2 over dp x cp = 8
     grids = {"tp2": ({"tp_size": 2}, 4, "2"), "pp2": ({"pp_size": 2}, 2, "2"), "cp2": ({"cp_size": 2}, 4, "4")}
@@ -233,6 +236,8 @@ def test_hpz_alone_equals_plain_zero3_and_all_three_train_beside_it(world8) -> N
         losses, state = res[name]
         assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) < 1e-5, name
         assert normwise_error(state, ref_state) < 1e-5, name
+    init, init0 = res["all/init"], res["zero3/init"]
+    assert init.keys() == init0.keys() and all(torch.equal(init[k], init0[k]) for k in init0)
     for label in ("tp2", "pp2", "cp2"):
         losses0, state0 = _merged(world8, f"{label}/zero3")
         if label != "cp2":

@@ -17,7 +17,7 @@ over the 2-D weights and gradients of a small GPT after 10 AdamW steps; bench/RE
 in blocks of :data:`WEIGHT_BLOCK` = 256 values, gradients as INT4 in blocks of :data:`GRAD_BLOCK` = 128. INT8
 weights: 0.63% at 128, 0.68% at 256, 0.77% at 1024, 0.85% at 4096: the error grows slowly with the block, so
 256 keeps the scales' cost at 1.6% of the INT8 bytes (4 bytes per block) for 8% more error than 128. INT4
-gradients: 8.8% at 32, 13.2% at 128, 15.7% at 256, 23.6% at 1024: here the block matters, and 128 costs 6.3% of
+gradients: 8.8% at 32, 13.2% at 128, 15.7% at 256, 23.5% at 1024: here the block matters, and 128 costs 6.3% of
 the INT4 bytes in scales (3.1% at 256) for a sixth less error than 256.
 
 **Packing.** INT8 values are stored as ``int8``; INT4 values as two per ``uint8`` (the value plus 8 in each
