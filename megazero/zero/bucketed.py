@@ -176,6 +176,7 @@ class BucketedParams:
             self.segments.append(OwnedSegment(self.param_flat[s + lo: s + hi], grad, pieces, init))
         # stages 0-1 in the model dtype: ``p.grad`` is left pointing into grad_flat after each backward
         self._grad_views = not shard_gradients and gdt == dtype
+        self._exposed = False  # ``p.grad`` views grad_flat now (from the end of a backward to the next start)
         # fresh gradients filed per bucket until flushed: (bucket) -> [(piece index, 1-D source)], their elements
         self._filed: list[list[tuple[int, torch.Tensor]]] = [[] for _ in self.buckets]
         self._filed_numel = [0] * len(self.buckets)
@@ -221,6 +222,7 @@ class BucketedParams:
         self._written = [set() for _ in self.buckets]
         self._owned_written = [False] * len(self.buckets)
         self._drop_filed()
+        self._exposed = False
         for p in self.params:
             p.grad = None
 
@@ -233,7 +235,8 @@ class BucketedParams:
         autograd hands each fresh gradient to the hooks instead of adding it into the buffer's view."""
         self._remaining = [len(ps) for _, ps, _ in self.buckets]
         self._touched = set()
-        if self._grad_views:
+        if self._exposed:
+            self._exposed = False
             for p in self.params:
                 p.grad = None
 
@@ -259,7 +262,7 @@ class BucketedParams:
             raise RuntimeError("a gradient arrived for a bucket already reduced in this step: zero_grad("
                                "micro_batches=m) must state the number of backward passes per step")
         g = p.grad
-        in_place = self._grad_views and device_io.same_data(g, self._grad_view(p))
+        in_place = self._exposed and device_io.same_data(g, self._grad_view(p))
         if in_place:  # autograd added into the view (a backward without start_backward): already there
             for b, _, _, _, j in pieces:
                 self._written[b].add(j)
@@ -315,6 +318,7 @@ class BucketedParams:
         """Stages 0-1 in the model dtype: ``p.grad`` views the buffer where this step's gradient is."""
         if not self._grad_views:
             return
+        self._exposed = True
         for p in self.params:
             if all(j in self._written[b] for b, _, _, _, j in self._pieces[p]):
                 p.grad = self._grad_view(p)
