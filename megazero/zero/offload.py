@@ -1,17 +1,28 @@
 """ZeRO-Offload's host side (``offload_optimizer: {device: cpu}``, stages 1-3): the optimizer's fp32 state in
-host memory, the gradients copied there, and Adam run there.
+host memory, the gradients copied there, and Adam run there, pipelined with the copies.
 
 The fp32 master partition and the Adam moments are allocated in host memory (pinned with ``pin_memory`` when a
-GPU is present, so the copies below are asynchronous). Each step copies this rank's reduced gradient partition
-into one fp32 host buffer, allocated once, and runs Adam there in chunks; each updated chunk is copied back to
-the device parameters while the next chunk is computed. In fp32 the device parameters therefore need a separate
-host master copy (:class:`~megazero.zero.state.OwnedState` keeps one whenever offload is on).
-``offload_param: {device: cpu}`` (stage 3) is the store's part: :mod:`.stage3` keeps the parameter shards in
-host memory and moves each to the device just before its all-gather. With both, Adam runs here and writes the
-host shards. With ``offload_param`` alone, the optimizer's states stay on the device: the fp32 master (kept
-apart from the host shards even in fp32), the moments and the gradients are all device tensors, Adam runs
-there, and the updated master is then written into the host shards in the model dtype (one copy of Ψ/Nd per
-step, where DeepSpeed would refuse the combination or mix devices in its optimizer call).
+GPU is present, so the copies below are asynchronous). A step runs over sub-groups of the owned partition
+(``chunk`` elements, DeepSpeed's ``sub_group_size``), as DeepSpeed's CPU-Adam pipelines them:
+
+1. the gradient norm, the sequence-parallel sum and the clipping scale run on the device over the reduced
+   gradients in place (:class:`~megazero.zero.host_adam.StagedGrads`), as without offload;
+2. the device-to-host copy of sub-group k+1's gradients into one fp32 host buffer (allocated once) is issued
+   (on a side stream on CUDA) before Adam of sub-group k starts, so PCIe and the host cores work at once;
+3. Adam of sub-group k runs on the host, one fused call per run of decayed / undecayed elements of the flat
+   chunk (not per parameter), on this rank's share of the cores (:func:`~megazero.zero.host_adam.host_threads`);
+4. the updated sub-group is copied back to the device parameters (asynchronously from pinned memory, on the
+   compute stream, so the next forward waits for it) while the next sub-group is computed.
+
+The arithmetic is the non-overlapped step's, so the result is the same bit for bit (tests/test_offload.py);
+DeepSpeed's one-step delayed parameter update, which changes it, is not implemented. In fp32 the device
+parameters need a separate host master copy (:class:`~megazero.zero.state.OwnedState` keeps one whenever
+offload is on). ``offload_param: {device: cpu}`` (stage 3) is the store's part: :mod:`.stage3` keeps the
+parameter shards in host memory and moves each to the device just before its all-gather. With both, Adam runs
+here and writes the host shards. With ``offload_param`` alone, the optimizer's states stay on the device: the
+fp32 master (kept apart from the host shards even in fp32), the moments and the gradients are all device
+tensors, Adam runs there, and the updated master is then written into the host shards in the model dtype (one
+copy of Ψ/Nd per step, where DeepSpeed would refuse the combination or mix devices in its optimizer call).
 """
 
 from __future__ import annotations
@@ -24,44 +35,81 @@ from megazero.distributed import device_io
 from megazero.zero.adam import ADAM_CHUNK
 from megazero.zero.flat import OwnedSegment
 from megazero.zero.grads import OwnedGrads
+from megazero.zero.host_adam import StagedGrads, host_threads, using_threads
 
 __all__ = ["HostOffload"]
 
+SUB_GROUP = ADAM_CHUNK  # elements per pipelined sub-group (read when a HostOffload is made; tests shrink it)
+
 
 class HostOffload:
-    """Host memory for the optimizer's fp32 state; ``pin``: page-locked (a GPU is present)."""
+    """Host memory for the optimizer's fp32 state and the pipelined host step (see the module docstring).
 
-    def __init__(self, pin: bool) -> None:
+    ``pin``: page-locked host memory and asynchronous copies (a GPU is present); ``chunk``: elements per
+    sub-group (default :data:`SUB_GROUP`); ``threads``: intra-op threads of the host Adam (None:
+    :func:`~megazero.zero.host_adam.host_threads` at each step)."""
+
+    def __init__(self, pin: bool, chunk: int | None = None, threads: int | None = None) -> None:
         self.pin = pin
+        self.chunk = chunk or SUB_GROUP
+        self.threads = threads
         self.grads: torch.Tensor | None = None  # the fp32 host copy of the owned gradients, allocated once
+        self._staged: StagedGrads | None = None  # this step's gradients, owned_grads -> adam
+        self._stream: torch.cuda.Stream | None = None  # the device-to-host copies' side stream (pinned)
 
     def fp32(self, numel: int, zero: bool) -> torch.Tensor:
         """An fp32 host tensor of ``numel`` elements (zeroed when ``zero``)."""
         return (device_io.zeros if zero else device_io.empty)(numel, torch.float32, self.pin)
 
     def owned_grads(self, segments: Sequence[OwnedSegment], starts: Sequence[int]) -> OwnedGrads:
-        """The reduced owned gradients copied into the fp32 host buffer, as Adam reads them; ``starts`` are the
-        segments' offsets in owned coordinates followed by their total."""
+        """The reduced owned gradients, still on the device (the norm and clipping run there); :meth:`adam`
+        stages them into the fp32 host buffer sub-group by sub-group. ``starts`` are the segments' offsets in
+        owned coordinates followed by their total."""
         if self.grads is None:
             self.grads = device_io.empty(starts[-1], torch.float32, self.pin)
-        g = self.grads
-        for s, a in zip(segments, starts):
-            g[a: a + s.grad.numel()].copy_(s.grad, non_blocking=True)
-        if self.pin:
-            torch.cuda.current_stream().synchronize()  # device-to-host copies done before Adam reads them
-        return OwnedGrads([(0, g)])
+        self._staged = StagedGrads(segments, starts, self.grads)
+        return self._staged
+
+    def _issue(self, g: StagedGrads, lo: int, hi: int, first: bool) -> torch.cuda.Event | None:
+        """Issue the device-to-host copy of gradients ``[lo, hi)``: on the side stream behind the compute
+        stream's work so far (pinned; an event to wait on), else synchronously (None)."""
+        if not self.pin:
+            g.to_host(lo, hi, non_blocking=False)
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        if first:  # the reduced gradients are ready once the compute stream's work so far is done
+            self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            g.to_host(lo, hi, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return event
 
     @torch.no_grad()
     def adam(self, master: torch.Tensor, segments: Sequence[OwnedSegment], starts: Sequence[int],
              update: Callable[[torch.Tensor, int, int], None]) -> None:
-        """``update(master[lo:hi], lo, hi)`` (one Adam update of owned elements [lo, hi)) chunk by chunk on the
-        host master; each updated chunk is copied to the device parameters (asynchronously from pinned memory)
-        while the next chunk is computed."""
+        """``update(master[lo:hi], lo, hi)`` (one Adam update of owned elements [lo, hi), reading the gradients
+        :meth:`owned_grads` returned) sub-group by sub-group on the host master, pipelined with the copies:
+        sub-group k+1's gradients are on their way to the host before sub-group k's update starts, and each
+        updated sub-group is copied to the device parameters while the next one is computed."""
+        g, self._staged = self._staged, None  # None: the gradients are host tensors already (benchmarks)
         numel = master.numel()
-        for lo in range(0, numel, ADAM_CHUNK):
-            hi = min(lo + ADAM_CHUNK, numel)
-            update(master[lo:hi], lo, hi)
-            for s, a in zip(segments, starts):
-                a_lo, a_hi = max(a, lo), min(a + s.param.numel(), hi)
-                if a_lo < a_hi:
-                    s.param[a_lo - a: a_hi - a].copy_(master[a_lo:a_hi], non_blocking=True)
+        chunks = [(lo, min(lo + self.chunk, numel)) for lo in range(0, numel, self.chunk)]
+        landed: list[torch.cuda.Event | None] = []
+        if g is not None:
+            g.read_host()  # the update reads the host buffer, chunk k once it has landed
+            landed.append(self._issue(g, *chunks[0], first=True))
+        with using_threads(self.threads or host_threads()):
+            for k, (lo, hi) in enumerate(chunks):
+                if g is not None:
+                    if k + 1 < len(chunks):
+                        landed.append(self._issue(g, *chunks[k + 1], first=False))
+                    if landed[k] is not None:
+                        landed[k].synchronize()
+                    g.finish_chunk(lo, hi)
+                update(master[lo:hi], lo, hi)
+                for s, a in zip(segments, starts):
+                    a_lo, a_hi = max(a, lo), min(a + s.param.numel(), hi)
+                    if a_lo < a_hi:
+                        s.param[a_lo - a: a_hi - a].copy_(master[a_lo:a_hi], non_blocking=True)
