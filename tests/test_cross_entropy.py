@@ -303,6 +303,24 @@ def test_bf16_logits_never_become_fp32_as_a_whole():
     assert naive.largest >= N * v
 
 
+def test_meta_allocates_what_the_kernels_do():
+    """The dry run (meta tensors emulating a GPU, as gpt.py asks) sees the Triton path's allocations: [N, 2] and
+    [N] fp32, the gradient in place; the eager path on meta shows its fp32 piece (the control)."""
+    n, padded = 4096, 50304
+    largest = {}
+    for backend in ("triton", "eager"):
+        y = torch.empty(n, padded, device="meta", dtype=torch.bfloat16, requires_grad=True) * 1.0
+        target = torch.zeros(n, dtype=torch.long, device="meta")
+        mode = _LargestFloat32()
+        with mode:
+            loss = vocab_parallel_cross_entropy(y, target, None, 0, 50257, inplace_backward=True, backend=backend)
+            (g,) = torch.autograd.grad(loss, y, torch.ones_like(loss))
+        assert same_data(g, y) and g.dtype == torch.bfloat16
+        largest[backend] = mode.largest
+    assert largest["triton"] <= 2 * n
+    assert largest["eager"] >= n // 8 * 50257
+
+
 def test_head_and_loss_skip_the_padding_without_a_mask_pass():
     """The model's way: raw logits of the tied head, the loss told the real vocabulary. No operation as large as
     the logits runs besides the head's matmuls and the loss's own passes; loss and weight gradient equal

@@ -65,7 +65,7 @@ from megazero.config.schema import ActivationCheckpointingConfig, ModelConfig
 from megazero.context_parallel import context_parallel_attention, local_positions
 from megazero.distributed.group import Group
 from megazero.model.cache import KVCache, LayerKV
-from megazero.model.kernels import causal_attention, dropout
+from megazero.model.kernels import causal_attention, dropout, emulated
 from megazero.model.layers import LayerNorm, RMSNorm, apply_rotary, rotary_tables
 from megazero.tensor_parallel import (
     ColumnParallelLinear,
@@ -397,9 +397,11 @@ class GPT(nn.Module):
         if targets is None:
             return head.logits(self.ln_f(x))  # [B, S, V/tp], padded entries at -inf
         logits = head.logits(self.ln_f(x), mask_padding=False)  # the loss skips the padded columns itself
-        # the logits are ours alone: the loss may overwrite them with their gradient in backward
+        # the logits are ours alone: the loss may overwrite them with their gradient in backward. A dry run
+        # emulating a GPU allocates what the GPU's Triton kernels do (torch's CUDA wheels ship triton)
+        backend = "triton" if logits.is_meta and emulated() == "cuda" else "auto"
         return vocab_parallel_cross_entropy(logits, targets, self.tp_group, head.vocab_start, head.vocab_size,
-                                            inplace_backward=True)  # [B, S]
+                                            inplace_backward=True, backend=backend)  # [B, S]
 
     def _decode(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """The forward of the new positions after ``cache``'s: each block appends its keys and values to its

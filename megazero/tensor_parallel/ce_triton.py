@@ -13,7 +13,8 @@ the same program). Padded columns are written 0 without being read, so the padde
 
 The kernels are decorated on first use, not at import: Triton picks its interpreter (``TRITON_INTERPRET=1``, the
 CPU tests) or its compiler when ``triton.jit`` runs, and a test sets the variable after megazero was imported.
-Without triton installed :func:`available` is False and the caller takes the eager path.
+Without triton installed :func:`available` is False and the caller takes the eager path. On the meta device
+(the dry run emulating a GPU) the two functions allocate what the kernels' callers see and launch nothing.
 """
 
 import functools
@@ -103,7 +104,7 @@ def triton_forward(logits: torch.Tensor, target: torch.Tensor, vocab_start: int,
     the target is not here or ignored). ``logits`` [N, V/tp] with unit column stride, any float dtype."""
     n = logits.shape[0]
     stats = torch.empty(n, 2, dtype=torch.float32, device=logits.device)
-    if n:
+    if n and logits.device.type != "meta":  # meta (the dry run): what the kernel allocates, nothing to run
         _kernels(interpreting()).forward[(n,)](logits, logits.stride(0), target, stats, n_real, vocab_start,
                                                 ignore_index, BLOCK=_block(n_real), num_warps=NUM_WARPS)
     return stats
@@ -114,7 +115,7 @@ def triton_backward(logits: torch.Tensor, grad: torch.Tensor, target: torch.Tens
     """Write ``(softmax - onehot) * scale`` of every row into ``grad`` (which may be ``logits`` itself), 0 on
     the padded columns ``[n_real, V/tp)``."""
     n, n_cols = logits.shape
-    if n:
+    if n and logits.device.type != "meta":
         _kernels(interpreting()).backward[(n,)](logits, logits.stride(0), grad, grad.stride(0), target, lse,
                                                  scale, n_cols, n_real, vocab_start, BLOCK=_block(n_cols),
                                                  num_warps=NUM_WARPS)

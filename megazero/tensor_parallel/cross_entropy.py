@@ -110,6 +110,8 @@ def _use_triton(logits: torch.Tensor, backend: str) -> bool:
     if backend == "eager":
         return False
     if backend == "triton":
+        if logits.device.type == "meta":  # the dry run emulating a GPU: the kernels' allocations, no launch
+            return True
         if not ce_triton.available():
             raise RuntimeError("backend='triton' needs triton installed (pip install triton)")
         if logits.device.type != "cuda" and not ce_triton.interpreting():
@@ -158,7 +160,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_
     arriving as ``-inf`` works too). The gradient comes back in the logits' dtype; ``inplace_backward`` writes it
     over ``logits`` (only for logits that nothing else reads after this call, such as the model's own).
     ``backend``: "auto" (Triton on CUDA when installed, else eager), "triton" (also on the CPU under
-    ``TRITON_INTERPRET=1``) or "eager"; ``eager_pieces`` is how many fp32 pieces the eager path cuts the tokens in.
+    ``TRITON_INTERPRET=1``, and on meta tensors as a GPU's allocations without a launch) or "eager"; ``eager_pieces`` is how many fp32 pieces the eager path cuts the tokens in.
     """
     if logits.shape[:-1] != target.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(target.shape)} disagree: expected "
