@@ -321,6 +321,28 @@ def test_meta_allocates_what_the_kernels_do():
     assert largest["eager"] >= n // 8 * 50257
 
 
+def test_a_dry_run_emulating_cuda_takes_the_kernels_path(monkeypatch):
+    """gpt.py asks for the Triton path on meta tensors when the dry run emulates CUDA, and only then."""
+    from megazero.config.cli import parse_args
+    from megazero.distributed.context import RankGrid
+    from megazero.model import kernels
+    from megazero.plan.role import run_role
+
+    calls: list[str] = []
+    forward = ce_triton.triton_forward
+    monkeypatch.setattr(ce_triton, "triton_forward", lambda logits, *a: (calls.append(logits.device.type),
+                                                                        forward(logits, *a))[1])
+    cfg = parse_args(["--num-layers", "1", "--hidden-size", "32", "--num-heads", "2", "--seq-len", "16",
+                      "--vocab-size", "256", "--micro-batch-size", "2", "--global-batch-size", "2",
+                      "--no-compile"]).resolve(1)
+    seen = {}
+    for device_type in ("cuda", "cpu"):
+        with kernels.emulate(device_type):
+            run_role(cfg, RankGrid(1, 1, 1, 1), 0)
+        seen[device_type] = len(calls) - sum(seen.values())
+    assert seen["cuda"] >= 1 and set(calls) == {"meta"} and seen["cpu"] == 0, seen
+
+
 def test_head_and_loss_skip_the_padding_without_a_mask_pass():
     """The model's way: raw logits of the tied head, the loss told the real vocabulary. No operation as large as
     the logits runs besides the head's matmuls and the loss's own passes; loss and weight gradient equal
