@@ -172,13 +172,14 @@ def _steps(model, opt, steps: int = 3) -> list[float]:
 
 def test_pipelined_offload_step_equals_the_plain_step_bit_for_bit(monkeypatch):
     """ZeRO-2 with the optimizer offloaded to (emulated) host memory in sub-groups of 3000 elements (about 50 per
-    step, segment and chunk boundaries apart, clipping active) against the same optimizer without offload, fp32
-    and bf16: every gradient norm and every parameter after 3 steps identical."""
+    step, segment and chunk boundaries apart, clipping active) against the same optimizer without offload, fp32,
+    bf16 and fp16 (16-bit gradients, loss-scaled): every gradient norm and every parameter after 3 steps
+    identical."""
     from megazero.distributed import device_io
     from megazero.zero import offload
 
     monkeypatch.setattr(offload, "SUB_GROUP", 3000)
-    for precision in ("fp32", "bf16"):
+    for precision in ("fp32", "bf16", "fp16"):  # fp16: 16-bit gradients, scaled on their host copy
         with device_io.use(device_io.EmulatedHost("cpu")):
             m_off, o_off = _solo_optimizer(precision, 2, True)
             norms_off = _steps(m_off, o_off)
