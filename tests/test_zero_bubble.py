@@ -273,3 +273,28 @@ def test_zb_h1_in_flight_activations_within_one_micro_batch_of_1f1b(data_cache):
         est = peak_bytes(model, 1, stage=0, dp_size=1, pp_size=4, pp_rank=r, precision="fp32", micro_batches=8,
                          schedule="zb-h1").activations
         assert abs(est - measured) / measured < 0.01, (r, est, measured)
+
+
+# -- the planner and the dry run know zb-h1 -----------------------------------------------------------------
+def test_planner_and_dry_run_know_zb_h1(tmp_path):
+    """The planner offers zb-h1 for pipelined one-chunk layouts, prices its bubble from the timeline and its
+    memory with the W stashes; the dry run runs it on meta (every role, NCCL-order replay) and agrees."""
+    from megazero.plan.dryrun import dry_run
+    from megazero.plan.roofline import bubble_fraction, cluster
+    from megazero.plan.search import Layout, evaluate, layouts
+
+    model = ModelConfig(num_layers=24, hidden_size=2048, num_heads=16, seq_len=1024, vocab_size=50257)
+    cands = layouts(model, 32, 64, 8, micro_batch_sizes=(1,), stages=(1,), checkpointing=("none",), offload=(False,))
+    assert any(lay.zero_bubble and lay.pp == 4 for lay in cands)
+    assert not any(lay.zero_bubble and (lay.pp == 1 or lay.virtual_stages > 1) for lay in cands)
+    h100 = cluster("h100", 8)
+    one, zb = (evaluate(model, Layout(2, 4, 4, 1, 1, zero_bubble=z), 64, h100) for z in (False, True))
+    assert "--pp-schedule zb-h1" in " ".join(zb.layout.flags())
+    assert bubble_fraction(4, 16, 1, "zb-h1") == simulate("zb-h1", 4, 16).bubble_fraction
+    assert zb.time.bubble < 0.5 * one.time.bubble and zb.time.total < one.time.total
+    assert zb.activation_bytes > one.activation_bytes  # the W stashes
+    cfg = parse_args(["--pp", "2", "--global-batch-size", "4", "--micro-batch-size", "1", "--pp-schedule", "zb-h1",
+                      "--zero-stage", "1", "--log-dir", str(tmp_path)]).resolve(2)
+    report = dry_run(cfg, h100, str(tmp_path))
+    assert report.fits and report.p2p_ok and report.p2p_replay.startswith("replay completed")
+    assert report.bubble_fraction == simulate("zb-h1", 2, 4).bubble_fraction

@@ -6,7 +6,7 @@
 
 Enumerates tp (dividing the GPUs of a node), cp (sequences of 8192 tokens or more: seq_len % (2·cp) == 0, tp·cp
 inside a node first), pp, dp, ZeRO stage 0-3, micro-batch size, recomputation
-(none/selective/full), optimizer offload, sequence parallelism and the interleaved schedule; estimates each
+(none/selective/full), optimizer offload, sequence parallelism and the interleaved and zb-h1 schedules; estimates each
 layout's per-rank peak memory (:mod:`megazero.plan.estimate`) and drops those above the usable device memory;
 estimates the step time of the rest (:mod:`megazero.plan.roofline`: FLOPs at ``--efficiency`` x the dense peak,
 each collective's bytes over NVLink inside a node or the network across nodes, the pipeline bubble, the
@@ -90,7 +90,7 @@ def report(plans: list[Plan], tried: int, seconds: float, args: argparse.Namespa
     rows = []
     for i, pl in enumerate(plans[:args.top]):
         lay, t = pl.layout, pl.time
-        sched = f"int v{lay.virtual_stages}" if lay.virtual_stages > 1 else ("1f1b" if lay.pp > 1 else "-")
+        sched = f"int v{lay.virtual_stages}" if lay.virtual_stages > 1 else (lay.schedule if lay.pp > 1 else "-")
         rows.append([str(i + 1), str(lay.tp), str(lay.cp), str(lay.pp), str(lay.dp), sched, str(lay.zero_stage),
                      str(lay.micro_batch_size), lay.checkpointing, "opt" if lay.offload else "-",
                      "y" if lay.sequence_parallel else "-", _gb(pl.peak_bytes), _gb(pl.states_bytes),

@@ -56,7 +56,7 @@ def virtual_stage(name: str, pp: int, rank: int, chunk: int) -> int:
     return chunk * pp + rank
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=256)
 def _zero_bubble(name: str, pp: int, m: int) -> tuple[tuple[Action, ...], ...]:
     """Every rank's timeline of a zero-bubble schedule, placed by a list scheduler in unit time (module
     docstring). Pure and deterministic: every rank computes the same plan and takes its own row."""

@@ -29,6 +29,7 @@ The stage split (:func:`megazero.pipeline.partition.partition_layers`), the voca
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -225,11 +226,18 @@ def _split_schedule_activations(schedule: str, pp_size: int, pp_rank: int, micro
                                 stash: float) -> float:
     """The most bytes a rank of a split schedule holds between F and W: its timeline replayed with ``act`` per
     micro-batch from F to B and ``stash`` from B to W."""
-    held = peak = 0.0
+    return max(f * act + w * stash for f, w in _held_counts(schedule, pp_size, pp_rank, micro_batches))
+
+
+@functools.lru_cache(maxsize=4096)
+def _held_counts(schedule: str, pp_size: int, pp_rank: int, micro_batches: int) -> frozenset[tuple[int, int]]:
+    """Every (micro-batches between F and B, between B and W) a rank's timeline passes through."""
+    f = w = 0
+    seen = {(0, 0)}
     for a in build_schedule(schedule, pp_size, pp_rank, micro_batches):
-        held += {"F": act, "B": stash - act, "W": -stash}[a.kind]
-        peak = max(peak, held)
-    return peak
+        f, w = f + {"F": 1, "B": -1, "W": 0}[a.kind], w + {"F": 0, "B": 1, "W": -1}[a.kind]
+        seen.add((f, w))
+    return frozenset(seen)
 
 
 @dataclass(frozen=True)

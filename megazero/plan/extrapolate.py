@@ -37,8 +37,8 @@ def steady_counts(schedule: str, pp: int, micro_batches: int) -> tuple[int, int]
     1F1B (and no pipeline): the first stage runs ``pp - 1`` warm-up forwards; at ``pp + 1`` micro-batches every
     stage has run a forward after a backward with its most micro-batches in flight. Interleaved: counts are
     multiples of ``pp``; ``2 pp`` exceeds every stage's warm-up (at most ``(v + 1) pp - 2`` chunk forwards of
-    ``m v``) by a full steady group."""
-    if pp > 1 and schedule == "gpipe":
+    ``m v``) by a full steady group. The zero-bubble schedules run at the full count."""
+    if pp > 1 and schedule in ("gpipe", "zb-h1", "zbv"):  # zero-bubble: the list scheduler's whole timeline
         return None
     if pp > 1 and schedule == "interleaved":
         m1, m2 = 2 * pp, 3 * pp

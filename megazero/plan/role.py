@@ -275,7 +275,8 @@ def roofline_seconds(cfg: Config, grid: RankGrid, rank: int, breakdown: dict[tup
                    offload=cfg.zero.offload_optimizer is not None, tp_crosses=crosses["tp"],
                    pp_crosses=crosses["pp"], dp_crosses=crosses["dp"], shape=flops_shape(m), cp=grid.cp_size,
                    cp_send_bytes=cp_send_bytes, cp_tail_bytes=4 * cp_sends.get("kv_grad", 0) / grid.cp_size,
-                   cp_collective_bytes=cp_coll, cp_crosses=crosses["cp"])
+                   cp_collective_bytes=cp_coll, cp_crosses=crosses["cp"],
+                   schedule=cfg.parallel.pp_schedule if grid.pp_size > 1 else "1f1b")
     return st.as_dict()
 
 

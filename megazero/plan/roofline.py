@@ -6,7 +6,8 @@ then CP, then DP, then PP; ``gpus_per_node`` consecutive ranks share a node) is 
 * **compute**: the FLOPs the hardware executes (Megatron-LM's count, recomputation included:
   :func:`megazero.observe.flops.megatron_hardware_flops`) split evenly over the ranks, at ``efficiency`` x the GPU's
   dense peak for the compute dtype;
-* **pipeline bubble**: compute x ``(p - 1) / m`` (1F1B, GPipe) or ``(1/v)(p - 1) / m`` (interleaved);
+* **pipeline bubble**: compute x ``(p - 1) / m`` (1F1B, GPipe) or ``(1/v)(p - 1) / m`` (interleaved), or the
+  zero-bubble timeline's idle fraction (zb-h1);
 * **communication**: each collective's logical volume as the ledger counts it (all-reduce 2n, reduce-scatter
   and all-gather n, send n) x ``(g - 1) / g`` for a ring of g ranks, over the bandwidth of the slowest link the
   group crosses: NVLink (per GPU, one direction) inside a node, the GPU's share of the node's network across
@@ -39,11 +40,13 @@ the planner and the dry run print; calibrate ``efficiency`` with a measured one-
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from megazero.observe.flops import PEAK_FLOPS, megatron_hardware_flops
+from megazero.pipeline.schedules import SPLIT_SCHEDULES, simulate
 
 __all__ = [
     "GPUS",
@@ -154,11 +157,19 @@ def collective_seconds(logical_elements: float, element_bytes: float, group_size
     return logical_elements * element_bytes * (group_size - 1) / group_size / bw
 
 
-def bubble_fraction(pp_size: int, micro_batches: int, virtual_stages: int = 1) -> float:
-    """Idle time over compute time of a pipeline: ``(1/v)(p - 1)/m``."""
+def bubble_fraction(pp_size: int, micro_batches: int, virtual_stages: int = 1, schedule: str = "1f1b") -> float:
+    """Idle time over compute time of a pipeline: ``(1/v)(p - 1)/m``; a zero-bubble schedule's from its timeline
+    (:func:`~megazero.pipeline.schedules.simulate`, F = B = W)."""
     if pp_size <= 1:
         return 0.0
+    if schedule in SPLIT_SCHEDULES:
+        return _timeline_bubble(schedule, pp_size, micro_batches, virtual_stages)
     return (pp_size - 1) / (virtual_stages * micro_batches)
+
+
+@functools.lru_cache(maxsize=1024)
+def _timeline_bubble(schedule: str, pp_size: int, micro_batches: int, virtual_stages: int) -> float:
+    return simulate(schedule, pp_size, micro_batches, virtual_stages).bubble_fraction
 
 
 @dataclass
@@ -197,7 +208,7 @@ def step_time(*, c: Cluster, precision: str, global_batch: int, seq_len: int, nu
               dp_param_elements: float, grad_bytes: int, owned_params: float, offload: bool,
               tp_crosses: bool, pp_crosses: bool, dp_crosses: bool, shape: dict[str, Any] | None = None,
               cp: int = 1, cp_send_bytes: float = 0.0, cp_tail_bytes: float = 0.0,
-              cp_collective_bytes: float = 0.0, cp_crosses: bool = False) -> StepTime:
+              cp_collective_bytes: float = 0.0, cp_crosses: bool = False, schedule: str = "1f1b") -> StepTime:
     """Estimate one rank's step from the volumes it moves (elements, as the ledger counts them).
 
     Under context parallelism ``dp`` is ZeRO's group, dp x cp (the work is spread over ``tp·pp·dp`` ranks as
@@ -218,7 +229,7 @@ def step_time(*, c: Cluster, precision: str, global_batch: int, seq_len: int, nu
     flops = megatron_hardware_flops(global_batch, seq_len, num_layers, hidden, vocab, checkpointing,
                                     **(shape or {})) / world
     compute = flops / (peak * c.efficiency)
-    bubble = compute * bubble_fraction(pp, micro_batches, virtual_stages)
+    bubble = compute * bubble_fraction(pp, micro_batches, virtual_stages, schedule)
     tp_s = collective_seconds(tp_elements, e, tp, tp_crosses, c)
     # a send's volume crosses one link once: (g - 1)/g does not apply to point-to-point traffic
     pp_s = 0.0 if pp == 1 else pp_elements * e / (c.gpu.inter_node_bytes_per_s if pp_crosses

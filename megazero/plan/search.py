@@ -53,6 +53,7 @@ class Layout:
     sequence_parallel: bool = False
     virtual_stages: int = 1  # > 1: the interleaved schedule
     cp: int = 1  # context parallel: each sequence split over cp ranks
+    zero_bubble: bool = False  # the zb-h1 schedule (split backward)
 
     @property
     def world(self) -> int:
@@ -60,7 +61,7 @@ class Layout:
 
     @property
     def schedule(self) -> str:
-        return "interleaved" if self.virtual_stages > 1 else "1f1b"
+        return "interleaved" if self.virtual_stages > 1 else "zb-h1" if self.zero_bubble else "1f1b"
 
     def flags(self) -> list[str]:
         """The ``pretrain/gpt.py`` flags of this layout."""
@@ -70,6 +71,8 @@ class Layout:
             out.append("--sequence-parallel")
         if self.virtual_stages > 1:
             out += ["--pp-schedule", "interleaved", "--virtual-stages", str(self.virtual_stages)]
+        if self.zero_bubble:
+            out += ["--pp-schedule", "zb-h1"]
         if self.checkpointing != "none":
             out += ["--activation-checkpointing", self.checkpointing]
         if self.offload:
@@ -146,7 +149,8 @@ def evaluate(model: ModelConfig, lay: Layout, global_batch: int, c: Cluster, pre
         first, last = r == 0, r == lay.pp - 1
         pe = peak_bytes(local, lay.micro_batch_size, stage=lay.zero_stage, dp_size=nd, tp_size=lay.tp,
                         pp_size=lay.pp, pp_rank=r, precision=precision, checkpointing=lay.checkpointing,
-                        sequence_parallel=lay.sequence_parallel, micro_batches=m, schedule="1f1b",
+                        sequence_parallel=lay.sequence_parallel, micro_batches=m,
+                        schedule="zb-h1" if lay.zero_bubble else "1f1b",
                         offload_optimizer=lay.offload and lay.zero_stage >= 1,
                         persistence_threshold=persistence_threshold, bucket_numel=reduce_bucket_size)
         states, acts, other = pe.model_states, pe.activations, pe.comm_buffers
@@ -172,7 +176,7 @@ def evaluate(model: ModelConfig, lay: Layout, global_batch: int, c: Cluster, pre
                       dp_grad_elements=g, dp_param_elements=p_, grad_bytes=grad_bytes, owned_params=owned,
                       offload=lay.offload, tp_crosses=crosses["tp"], pp_crosses=crosses["pp"],
                       dp_crosses=crosses["dp_cp"], shape=flops_shape(model), cp=cp, cp_send_bytes=cp_b,
-                      cp_tail_bytes=m * layers * kv * 4, cp_crosses=crosses["cp"])
+                      cp_tail_bytes=m * layers * kv * 4, cp_crosses=crosses["cp"], schedule=lay.schedule)
         mem = (peak, r, states, acts, other)
         worst_mem = mem if worst_mem is None or peak > worst_mem[0] else worst_mem
         slowest = t if slowest is None or t.total > slowest.total else slowest
@@ -193,10 +197,12 @@ def _divisors(n: int) -> list[int]:
 def layouts(model: ModelConfig, gpus: int, global_batch: int, gpus_per_node: int, *,
             micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16), stages: tuple[int, ...] = (0, 1, 2, 3),
             checkpointing: tuple[str, ...] = ("none", "selective", "full"), offload: tuple[bool, ...] = (False, True),
-            virtual_stages: tuple[int, ...] = (1, 2), cp_across_nodes: bool = False) -> list[Layout]:
+            virtual_stages: tuple[int, ...] = (1, 2), cp_across_nodes: bool = False,
+            zero_bubble: tuple[bool, ...] = (False, True)) -> list[Layout]:
     """Every valid layout: tp divides the GPUs of a node and the heads; cp as :func:`_cp_sizes`; pp <= layers;
     the global batch splits into dp x micro-batch x accumulation; interleaving needs m divisible by pp and
-    enough layers; offload needs a ZeRO stage; sequence parallelism needs tp > 1 dividing the CP-local
+    enough layers; zb-h1 (``zero_bubble``) a pipeline of one chunk per rank; offload needs a ZeRO stage;
+    sequence parallelism needs tp > 1 dividing the CP-local
     sequence."""
     out = []
     for tp in _divisors(min(gpus_per_node, gpus)):
@@ -207,14 +213,17 @@ def layouts(model: ModelConfig, gpus: int, global_batch: int, gpus_per_node: int
                 dp = gpus // (tp * cp * pp)
                 if pp > model.num_layers or global_batch % dp:
                     continue
-                for mbs, stage, ckpt, off, v, sp in itertools.product(
-                        micro_batch_sizes, stages, checkpointing, offload, virtual_stages, (False, True)):
+                for mbs, stage, ckpt, off, v, sp, zb in itertools.product(
+                        micro_batch_sizes, stages, checkpointing, offload, virtual_stages, (False, True),
+                        zero_bubble):
                     m, rem = divmod(global_batch, mbs * dp)
                     if rem or m < 1 or (off and stage == 0) or (sp and (tp == 1 or model.seq_len // cp % tp)):
                         continue
                     if v > 1 and (pp == 1 or m % pp or model.num_layers < pp * v or stage == 3):
                         continue
-                    out.append(Layout(tp, pp, dp, stage, mbs, ckpt, off, sp, v, cp))
+                    if zb and (pp == 1 or v > 1):  # zb-h1: one chunk per rank, a pipeline to fill
+                        continue
+                    out.append(Layout(tp, pp, dp, stage, mbs, ckpt, off, sp, v, cp, zb))
     return out
 
 
