@@ -74,7 +74,7 @@ def bytes_table(steps: int) -> None:
 
 
 def _converge_rank(ctx, runs: dict, steps: int, cache: str, logs: str, negative: bool) -> dict:
-    if negative:  # the control: one scale per slice (no blocks) for weights and gradients
+    if negative == "scales":  # the control: one scale per slice (no blocks) for weights and gradients
         import megazero.zero.qgz as qgz
         import megazero.zero.stage3.hpz as hpz
         from megazero.zero import quantize as q
@@ -82,6 +82,17 @@ def _converge_rank(ctx, runs: dict, steps: int, cache: str, logs: str, negative:
         for mod in (qgz, hpz):
             mod.quantize = lambda x, bits, block: q.quantize(x, bits, x.shape[-1] + x.shape[-1] % 2)
             mod.dequantize = lambda v, s, bits, block, n, out=None: q.dequantize(v, s, bits, n + n % 2, n, out)
+    if negative == "int-sum":  # the other control: qgZ sums the INT4 values of a node, scaled by one peer's scales
+        import megazero.zero.qgz as qgz
+        from megazero.zero import quantize as q
+
+        def planted(values, scales, bits, block, n, out=None):
+            deq = q.dequantize(values, scales, bits, block, n)
+            if out is not None:
+                return out.copy_(deq)
+            ints = deq / scales.repeat_interleave(block, dim=1)[:, :n].clamp_min(1e-30)
+            return ints.round() * scales[:1].repeat_interleave(block, dim=1)[:, :n]
+        qgz.dequantize = planted
     out = {}
     for name, extra in runs.items():
         cfg = parse_args(["--model", "tiny", "--zero-stage", "3", "--ranks-per-node", "2", "--train-steps", str(steps),
@@ -93,13 +104,19 @@ def _converge_rank(ctx, runs: dict, steps: int, cache: str, logs: str, negative:
     return out
 
 
-def converge(steps: int) -> None:
+def converge(steps: int, controls: list[str], reference: bool) -> None:
     all3 = ["--zero-hpz-partition-size", "2", "--zero-quantized-weights", "--zero-quantized-gradients"]
     cache = str(Path(__file__).resolve().parents[1] / ".cache" / "zeropp_bench")  # the tokenizer, trained once
     with tempfile.TemporaryDirectory() as tmp:
-        res = run_world(_converge_rank, 4, {"zero3": [], "all": all3}, steps, cache, tmp, False, timeout=7200)[0]
-        neg = run_world(_converge_rank, 4, {"no-block scales": all3}, steps, cache, tmp, True, timeout=7200)[0]
-    res.update(neg)
+        runs = {"zero3": [], "all": all3}
+        res = run_world(_converge_rank, 4, runs, steps, cache, tmp, "", timeout=7200)[0] if reference else {}
+        for name in controls:
+            label = {"scales": "control: one scale per slice", "int-sum": "control: INT4 summed, one scale"}[name]
+            res.update(run_world(_converge_rank, 4, {label: all3}, steps, cache, tmp, name, timeout=7200)[0])
+    if "zero3" not in res:
+        for name, (losses, wall) in res.items():
+            print(f"| {name} | {statistics.mean(losses[-20:]):.4f} | wall {wall:.0f} s |")
+        return
     ref = statistics.mean(res["zero3"][0][-20:])
     print(f"tiny, dp 4 on 2 nodes of 2, {steps} steps, built-in corpus; final loss = mean of the last 20 steps")
     print("| setting | final loss | vs ZeRO-3 | within 2% | wall s |")
@@ -139,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bytes", action="store_true")
     ap.add_argument("--converge", action="store_true")
     ap.add_argument("--blocks", action="store_true")
+    ap.add_argument("--controls", default="scales", help="--converge's negative controls, comma-separated: scales "
+                    "(one scale per slice), int-sum (qgZ sums INT4 values under one peer's scales)")
+    ap.add_argument("--no-reference", action="store_true", help="--converge: run the controls only")
     ap.add_argument("--steps", type=int, default=None, help="steps (default: 3 timed for --bytes, 300 for --converge)")
     args = ap.parse_args(argv)
     if args.blocks:
@@ -146,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.bytes:
         bytes_table(args.steps or 3)
     if args.converge:
-        converge(args.steps or 300)
+        converge(args.steps or 300, args.controls.split(","), not args.no_reference)
     return 0
 
 
