@@ -95,13 +95,14 @@ class BucketedParams:
                  isolate: Sequence[nn.Parameter] = (), grad_dtype: torch.dtype | None = None,
                  max_inflight: int = 2, groups: Sequence[Sequence[nn.Parameter]] | None = None,
                  param_init: Callable[[nn.Parameter], torch.Tensor] | None = None,
-                 device: torch.device | None = None, reduce_group: Group | None = None) -> None:
+                 device: torch.device | None = None, reduce_group: Group | None = None, qgz=None) -> None:
         if shard_gradients and not shard_optimizer:
             raise ValueError("sharded gradients need sharded optimizer states (ZeRO stage 2 includes stage 1)")
         if max_inflight < 1:
             raise ValueError(f"max_inflight (--max-inflight-buckets) must be >= 1, got {max_inflight}")
         self.dp_group = dp_group
         self.reduce_group = reduce_group or dp_group  # the gradient reductions' group (ZeRO-3: its own)
+        self.qgz = qgz  # stage 2's reduce-scatter as ZeRO++ qgZ (megazero.zero.qgz.QuantizedReduce), or None
         self.dtype = dtype
         self.grad_dtype = grad_dtype or dtype
         self.shard_optimizer = shard_optimizer
@@ -349,7 +350,7 @@ class BucketedParams:
                     staging[off: off + n].zero_()
         lo, hi = layout.shard_range(self.rank)
         if self.reduce_scatter:
-            work = self.reduce_group.reduce_scatter(staging[lo:hi], staging, tag="grad", async_op=True)
+            work = (self.qgz or self.reduce_group).reduce_scatter(staging[lo:hi], staging, tag="grad", async_op=True)
         else:
             work = self.reduce_group.all_reduce(staging, tag="grad", async_op=True)
         self._inflight.append((work, b, buf))

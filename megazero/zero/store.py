@@ -21,6 +21,7 @@ from megazero.config.schema import ZeroConfig
 from megazero.distributed import device_io
 from megazero.distributed.group import Group
 from megazero.zero.bucketed import BucketedParams, sharded_state
+from megazero.zero.qgz import QuantizedReduce
 from megazero.zero.stage3.params import Stage3Params
 
 __all__ = ["build_store", "claim", "gathered", "walk"]
@@ -75,7 +76,7 @@ def build_store(model: nn.Module, params: Sequence[nn.Parameter], zero_cfg: Zero
             shard_gradients=sharded.gradients, bucket_numel=bucket, align=align,
             overlap_comm=zero_cfg.overlap_comm, reduce_scatter=zero_cfg.reduce_scatter, isolate=tied_params,
             grad_dtype=grad_dtype, max_inflight=zero_cfg.max_inflight_buckets, groups=chunks,
-            param_init=param_init, device=device)
+            param_init=param_init, device=device, qgz=QuantizedReduce.from_config(zero_cfg, dp_group))  # ZeRO++
     for p in model.parameters():
         if not p.requires_grad and p.is_floating_point():
             p.data = p.data.to(dtype)
