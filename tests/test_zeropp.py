@@ -170,6 +170,9 @@ def _parity_runs(ctx) -> dict:
         if name in ("zero3", "all"):  # the export before any step: exact 16-bit gathers, never quantized ones
             out[f"{name}/init"] = eng.full_state_dict()
         out[name] = (_train(ctx, eng, 2), eng.full_state_dict())
+    for name, extra in (("s2", ["--zero-stage", "2"]), ("s2/qgz", ["--zero-stage", "2", *QGZ])):  # qgZ at stage 2
+        eng = _engine(ctx, ["--ranks-per-node", "4", *extra])
+        out[name] = (_train(ctx, eng, 2), eng.full_state_dict(), ctx.ledger.link_breakdown_last_step())
     # (grid, ranks per node, hpZ size): ZeRO over dp 4 with 2 of its ranks per node; under cp 2 over dp x cp = 8
     grids = {"tp2": ({"tp_size": 2}, 4, "2"), "pp2": ({"pp_size": 2}, 2, "2"), "cp2": ({"cp_size": 2}, 4, "4")}
     for label, (grid, rpn, hpz) in grids.items():
@@ -236,6 +239,10 @@ def test_hpz_alone_equals_plain_zero3_and_all_three_train_beside_it(world8) -> N
         losses, state = res[name]
         assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) < 1e-5, name
         assert normwise_error(state, ref_state) < 1e-5, name
+    (l2, s2, b2), (lq, sq, bq) = res["s2"], res["s2/qgz"]  # stage 2: the reduce-scatter became qgZ's two hops
+    assert max(abs(a - b) / b for a, b in zip(lq, l2)) < 2e-2 and 0 < normwise_error(sq, s2) < 0.1
+    assert "dp/reduce_scatter/grad/inter" in b2 and not any("reduce_scatter/grad" in k for k in bq)
+    assert bq["dp.intra/all_to_all/grad/intra"] > 0 and bq["dp.inter/all_to_all/grad/inter"] > 0
     init, init0 = res["all/init"], res["zero3/init"]
     assert init.keys() == init0.keys() and all(torch.equal(init[k], init0[k]) for k in init0)
     for label in ("tp2", "pp2", "cp2"):

@@ -279,8 +279,6 @@ def _check_zeropp(cfg: Any, world_size: int) -> None:
              f"weight all-gathers: use --zero-stage 3, got {z.stage}")
     _require(not z.zero_quantized_gradients or z.stage >= 2, "--zero-quantized-gradients (qgZ) replaces the "
              f"gradient reduce-scatter of ZeRO stages 2-3: use --zero-stage 2 or 3, got {z.stage}")
-    _require(not z.zero_quantized_gradients or z.stage == 3, "--zero-quantized-gradients (qgZ) at ZeRO stage 2 is "
-             "not supported yet by megazero (stage 3 is); use --zero-stage 3 or drop the flag")
     _require(not z.zero_quantized_gradients or z.reduce_scatter, "--zero-quantized-gradients (qgZ) replaces the "
              "reduce-scatter: drop zero_optimization.reduce_scatter false")
     _choice("--zero-quantized-gradients-bits", z.zero_quantized_gradients_bits, (4, 8))
