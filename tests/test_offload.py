@@ -173,18 +173,20 @@ def _steps(model, opt, steps: int = 3) -> list[float]:
 def test_pipelined_offload_step_equals_the_plain_step_bit_for_bit(monkeypatch):
     """ZeRO-2 with the optimizer offloaded to (emulated) host memory in sub-groups of 3000 elements (about 50 per
     step, segment and chunk boundaries apart, clipping active) against the same optimizer without offload, fp32,
-    bf16 and fp16 (16-bit gradients, loss-scaled): every gradient norm and every parameter after 3 steps
-    identical."""
+    bf16, bf16 with the copy-back cast through the staging chunks and fp16 so too (16-bit gradients,
+    loss-scaled): every gradient norm and every parameter after 3 steps identical."""
     from megazero.distributed import device_io
     from megazero.zero import offload
 
     monkeypatch.setattr(offload, "SUB_GROUP", 3000)
-    for precision in ("fp32", "bf16", "fp16"):  # fp16: 16-bit gradients, scaled on their host copy
+    for precision, stage_out in (("fp32", None), ("bf16", None), ("bf16", True), ("fp16", True)):
         with device_io.use(device_io.EmulatedHost("cpu")):
             m_off, o_off = _solo_optimizer(precision, 2, True)
+            o_off.host.stage_out = stage_out  # True: the copy-back cast through the two staging chunks
             norms_off = _steps(m_off, o_off)
         m_ref, o_ref = _solo_optimizer(precision, 2, False)
         assert o_off.owned_numel // 3000 > 40 and device_io.emulated(o_off.master)
+        assert len(o_off.host._out) == (2 if stage_out else 0)
         assert _steps(m_ref, o_ref) == norms_off, precision
         for (name, a), b in zip(m_off.named_parameters(), m_ref.parameters()):
             assert torch.equal(a, b), (precision, name)

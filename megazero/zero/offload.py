@@ -11,8 +11,11 @@ GPU is present, so the copies below are asynchronous). A step runs over sub-grou
    (on a side stream on CUDA) before Adam of sub-group k starts, so PCIe and the host cores work at once;
 3. Adam of sub-group k runs on the host, one fused call per run of decayed / undecayed elements of the flat
    chunk (not per parameter), on this rank's share of the cores (:func:`~megazero.zero.host_adam.host_threads`);
-4. the updated sub-group is copied back to the device parameters (asynchronously from pinned memory, on the
-   compute stream, so the next forward waits for it) while the next sub-group is computed.
+4. the updated sub-group is copied back to the device parameters (on the compute stream, so the next forward
+   waits for it) while the next sub-group is computed. A 16-bit model is cast on the host into one of two
+   pinned staging chunks first (DeepSpeed's ``adam_update_copy``): a copy from the fp32 master straight into
+   bf16 device parameters would have torch cast into a pageable temporary and copy it synchronously, holding
+   the host until the transfer ends.
 
 The arithmetic is the non-overlapped step's, so the result is the same bit for bit (tests/test_offload.py);
 DeepSpeed's one-step delayed parameter update, which changes it, is not implemented. In fp32 the device
@@ -49,10 +52,16 @@ class HostOffload:
     sub-group (default :data:`SUB_GROUP`); ``threads``: intra-op threads of the host Adam (None:
     :func:`~megazero.zero.host_adam.host_threads` at each step)."""
 
-    def __init__(self, pin: bool, chunk: int | None = None, threads: int | None = None) -> None:
+    def __init__(self, pin: bool, chunk: int | None = None, threads: int | None = None,
+                 stage_out: bool | None = None) -> None:
         self.pin = pin
         self.chunk = chunk or SUB_GROUP
         self.threads = threads
+        # cast the copy-back through two pinned model-dtype chunks (None: when pinned and the device parameters'
+        # dtype differs from the master's; tests force it on the CPU)
+        self.stage_out = stage_out
+        self._out: list[torch.Tensor] = []  # the two staging chunks, allocated once
+        self._out_done: list[torch.cuda.Event | None] = [None, None]  # each chunk's last copy (pinned)
         self.grads: torch.Tensor | None = None  # the fp32 host copy of the owned gradients, allocated once
         self._staged: StagedGrads | None = None  # this step's gradients, owned_grads -> adam
         self._stream: torch.cuda.Stream | None = None  # the device-to-host copies' side stream (pinned)
@@ -109,7 +118,40 @@ class HostOffload:
                         landed[k].synchronize()
                     g.finish_chunk(lo, hi)
                 update(master[lo:hi], lo, hi)
-                for s, a in zip(segments, starts):
-                    a_lo, a_hi = max(a, lo), min(a + s.param.numel(), hi)
-                    if a_lo < a_hi:
-                        s.param[a_lo - a: a_hi - a].copy_(master[a_lo:a_hi], non_blocking=True)
+                self._copy_back(master, segments, starts, k, lo, hi)
+
+    def _staged_out(self, master: torch.Tensor, segments: Sequence[OwnedSegment]) -> bool:
+        """Whether the copy-back goes through the pinned staging chunks (allocating them the first time)."""
+        dtypes = {s.param.dtype for s in segments}
+        stage = self.stage_out
+        if stage is None:
+            stage = self.pin and any(s.param.is_cuda for s in segments) and dtypes != {master.dtype}
+        if not stage or len(dtypes) != 1:
+            return False
+        if not self._out:
+            dtype = next(iter(dtypes))
+            self._out = [device_io.empty(min(self.chunk, master.numel()), dtype, self.pin) for _ in range(2)]
+        return True
+
+    def _copy_back(self, master: torch.Tensor, segments: Sequence[OwnedSegment], starts: Sequence[int], k: int,
+                   lo: int, hi: int) -> None:
+        """Copy the updated owned elements ``[lo, hi)`` of sub-group ``k`` to the parameters: straight from the
+        master, or cast into staging chunk k % 2 (once its copy of sub-group k - 2 is done) and copied from
+        there (asynchronously when pinned)."""
+        staged = self._staged_out(master, segments)
+        src, base = master, 0
+        if staged:
+            slot = k % 2
+            done = self._out_done[slot]
+            if done is not None:
+                done.synchronize()
+            src, base = self._out[slot][: hi - lo], lo
+            src.copy_(master[lo:hi])  # the cast to the model dtype, on the host, into the staging chunk
+        for s, a in zip(segments, starts):
+            a_lo, a_hi = max(a, lo), min(a + s.param.numel(), hi)
+            if a_lo < a_hi:
+                s.param[a_lo - a: a_hi - a].copy_(src[a_lo - base: a_hi - base], non_blocking=True)
+        if staged and self.pin:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream())
+            self._out_done[k % 2] = event
