@@ -31,6 +31,7 @@ class _Codec:
     """A tokenizer stand-in: characters to ids below the vocabulary."""
 
     eos_id = 0
+    vocab_size = 512  # the session cache's tokenizer size (tests/conftest.py)
 
     def encode(self, text: str) -> list[int]:
         return [1 + ord(c) % 500 for c in text]
