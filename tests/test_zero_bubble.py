@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megazero.config.cli import parse_args
-from megazero.config.schema import ModelConfig
+from megazero.config.schema import ConfigError, ModelConfig
 from megazero.distributed.ledger import ZERO_GROUPS
 from megazero.pipeline.schedules import build_schedule, simulate
 from megazero.plan.estimate import peak_bytes
@@ -142,7 +142,12 @@ def test_zb_h1_pp4_matches_single_process(references, data_cache, tmp_path):
 
 def test_zb_h1_with_tensor_sequence_and_data_parallel_at_every_zero_stage(references, data_cache, tmp_path):
     """8 ranks, pp 2 x tp 2 x dp 2, four steps: ZeRO 1 and 2 with sequence parallelism (the SP all-gather of a
-    linear's input moves to W), ZeRO 3 (B gathers the blocks, W gathers nothing)."""
+    linear's input moves to W), ZeRO 3 (B gathers the blocks, W gathers nothing). ZeRO 3 with --overlap-comm is
+    refused for now: its asynchronous reductions in W lose parity (4e-3 on the loss), not understood yet."""
+    with pytest.raises(ConfigError, match="--no-overlap-comm"):
+        parse_args([*PP_MODEL, "--pp", "2", *ZB, "--zero-stage", "3", "--overlap-comm"]).resolve(2)
+    cuda = parse_args([*PP_MODEL, "--pp", "2", *ZB, "--zero-stage", "3"]).resolve(2, device_type="cuda")
+    assert cuda.zero.overlap_comm is False  # the CUDA default steps aside
     base = [*PP_MODEL, "--pp", "2", "--tp", "2", "--dp", "2", *ZB, "--train-steps", "4", "--micro-batch-size", "1",
             "--global-batch-size", "8"]
     runs = [((8, 4), [*base, "--zero-stage", "1", "--sequence-parallel"]),
