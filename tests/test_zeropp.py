@@ -314,3 +314,17 @@ def test_the_planner_ranks_zeropp_settings_on_two_nodes_at_100_gbps() -> None:
     assert pp.node_inter_bytes / psi == pytest.approx(1 + 4 / 256 + 0.5 + 4 / 128)  # INT8 + INT4, scales included
     assert ranked["hpz"].extra_bytes == pytest.approx(2 * psi / 8)  # the secondary copy over the node's 8 ranks
     assert pp.plan.time.dp_comm < z3.plan.time.dp_comm / 4
+
+
+def test_the_dry_run_shows_zero_bytes_per_link() -> None:
+    from megazero.plan.dryrun import dry_run, format_report
+    from megazero.plan.roofline import cluster
+
+    cfg = parse_args([*FLAGS, "--dp", "16", "--micro-batch-size", "1", "--global-batch-size", "16", "--precision",
+                      "bf16", *HPZ, "4", *QWZ])
+    cfg = replace(cfg, zero=replace(cfg.zero, stage3_param_persistence_threshold=0)).resolve(16, device_type="cuda")
+    rep = dry_run(cfg, cluster("h100", 8))  # nodes of 8: the cluster's, as no --ranks-per-node is given
+    link = rep.roles[0].link_bytes
+    # intra: hpZ's backward gather, 2Ψ; inter: the INT8 forward gather Ψ (+ scales, block padding) and fp32 gradients 4Ψ
+    assert 0.99 * (1 + 4 / 256 + 4) / 2 < link["inter"] / link["intra"] < 1.03 * (1 + 4 / 256 + 4) / 2
+    assert "DP inter MB" in format_report(rep)

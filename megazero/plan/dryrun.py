@@ -117,7 +117,7 @@ def format_report(r: DryRunReport) -> str:
     unit, gb = ("GB", 1e9) if big >= 1e9 else ("MB", 1e6)
     tp = r.topology
     head = ["rank", "pp", "tp", "pad", f"states {unit}", f"host {unit}", f"peak {unit}", "params", "grads", "master",
-            "optim", "acts", "comm", "other", "TP Melem", "CP Melem", "PP Melem", "DP Melem", "reads", "step s",
+            "optim", "acts", "comm", "other", "TP Melem", "CP Melem", "PP Melem", "DP Melem", "DP inter MB", "DP intra MB", "reads", "step s",
             "steps", "dry s"]
     rows = []
     for x in r.roles:
@@ -130,7 +130,8 @@ def format_report(r: DryRunReport) -> str:
                      *(f"{c.get(k, 0) / gb:.2f}" for k in ("params", "grads", "master_params", "optimizer_states",
                                                           "activations", "comm_buffers", "other")),
                      *(f"{x.volumes.get(g, 0) / 1e6:.1f}" for g in ("tp", "cp", "pp")),
-                     f"{(x.volumes.get('dp', 0) + x.volumes.get('dp_cp', 0)) / 1e6:.1f}", str(x.host_reads),
+                     f"{(x.volumes.get('dp', 0) + x.volumes.get('dp_cp', 0)) / 1e6:.1f}",
+                     *(f"{x.link_bytes.get(k, 0) / 1e6:.1f}" for k in ("inter", "intra")), str(x.host_reads),
                      f"{x.step_seconds.get('total_s', 0):.3f}", str(x.steps), f"{x.wall_seconds:.1f}"])
     widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
     cp = f" x cp {tp['cp']}" if tp.get("cp", 1) > 1 else ""
@@ -144,7 +145,9 @@ def format_report(r: DryRunReport) -> str:
               "states: model states on the device at rest; host: offloaded states in host memory; peak: live "
               "device tensors by category at the step's peak (the tracker of metrics.jsonl; steps 2: the first "
               "step left buffers later steps start with, the larger peak of two); Melem: elements"
-              " per step as the ledger counts them (all-reduce 2n); step s: roofline estimate on "
+              " per step as the ledger counts them (all-reduce 2n); DP inter/intra MB: ZeRO's bytes per step over groups "
+              "that span nodes / stay in one (--ranks-per-node, default the cluster's node); step s: roofline "
+              "estimate on "
               f"{tp['gpus_per_node']}-GPU nodes of {r.gpu}",
               tp.get("roofline", ""),
               f"kernels as on {tp.get('device_type', 'cuda')} (fused attention and dropout on cuda)"

@@ -77,6 +77,7 @@ class RoleResult:
     micro_batches_run: list[int] = field(default_factory=list)  # counts run (megazero/plan/extrapolate.py)
     eval_peak_bytes: int = 0  # the evaluation pass after the steps (Engine.eval_loss on the same batch)
     eval_peak_by_category: dict[str, int] = field(default_factory=dict)
+    link_bytes: dict[str, int] = field(default_factory=dict)  # ZeRO's gradients and parameters: "intra"/"inter"
 
     def larger_peak(self) -> tuple[str, int, dict[str, int]]:
         """``(which, bytes, by category)`` of the larger of the training step's and the evaluation's peaks."""
@@ -214,6 +215,9 @@ def run_role(cfg: Config, grid: RankGrid, rank: int, c: Cluster | None = None) -
         # host reads give placeholders; offloaded states live in host memory emulated on meta
         with device_io.use(PlaceholderHost()) as reader:
             with device:  # parameters are created without storage (no weights, no initialisation cost)
+                if cfg.parallel.ranks_per_node is None and c is not None and grid.world_size % c.gpus_per_node == 0:
+                    # the cluster's nodes (ZeRO++, bytes per link); a world within one node stays one node
+                    cfg = replace(cfg, parallel=replace(cfg.parallel, ranks_per_node=c.gpus_per_node))
                 engine = Engine(_agreed_bucket(cfg, ctx), ctx, device)
             t = cfg.training
             ids = torch.zeros(t.micro_batch_size, cfg.model.seq_len, dtype=torch.long)  # host, whole, like collate
@@ -240,7 +244,8 @@ def run_role(cfg: Config, grid: RankGrid, rank: int, c: Cluster | None = None) -
             peak_bytes=int(peak["peak_bytes"]), peak_by_category=dict(peak["peak_by_category"]),
             volumes=volumes(breakdown), breakdown=ctx.ledger.breakdown_last_step(), host_reads=reads,
             p2p_calls=p2p_first, steps=steps, eval_peak_bytes=int(evaluation["peak_bytes"]),
-            eval_peak_by_category=dict(evaluation["peak_by_category"]))
+            eval_peak_by_category=dict(evaluation["peak_by_category"]),
+            link_bytes=ctx.ledger.link_bytes_last_step(("grad", "param")))
         if c is not None:
             result.step_seconds = roofline_seconds(cfg, grid, rank, breakdown, c)
     finally:
