@@ -179,7 +179,7 @@ def test_pipelined_offload_step_equals_the_plain_step_bit_for_bit(monkeypatch):
     from megazero.zero import offload
 
     monkeypatch.setattr(offload, "SUB_GROUP", 3000)
-    for precision, stage_out in (("fp32", None), ("bf16", None), ("bf16", True), ("fp16", True)):
+    for precision, stage_out in (("fp32", False), ("bf16", False), ("bf16", True), ("fp16", True)):
         with device_io.use(device_io.EmulatedHost("cpu")):
             m_off, o_off = _solo_optimizer(precision, 2, True)
             o_off.host.stage_out = stage_out  # True: the copy-back cast through the two staging chunks
@@ -316,7 +316,8 @@ def test_cuda_offload_split_is_pinned_and_matches_the_estimator():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_pipelined_offload_equals_one_sub_group_without_staging():
     """On a GPU, pinned: the pipelined step (sub-groups of 3000 elements, gradient copies on the side stream, the
-    copy-back through the pinned staging chunks) against one sub-group copied straight back, bf16: the same host
+    copy-back cast on the host through the pinned staging chunks) against one sub-group copied straight back
+    (cast on the GPU), bf16: the same host
     arithmetic, so a chunk read before its copy landed (or a staging chunk overwritten before its copy left)
     would show as a difference in the parameters after 3 steps."""
     from megazero.config.schema import ModelConfig, OptimizerConfig, ZeroConfig
@@ -325,7 +326,7 @@ def test_cuda_pipelined_offload_equals_one_sub_group_without_staging():
     from megazero.zero import ZeroOptimizer
 
     models = []
-    for chunk, stage_out in ((3000, None), (1 << 30, False)):
+    for chunk, stage_out in ((3000, True), (1 << 30, False)):
         model = GPT(ModelConfig(num_layers=2, hidden_size=64, num_heads=4, seq_len=32, vocab_size=512))
         init_parameters(model, 0)
         model.cuda()
@@ -340,7 +341,7 @@ def test_cuda_pipelined_offload_equals_one_sub_group_without_staging():
             opt.backward(model(x, x).sum() / x.numel())
             opt.step(1e-2)
         torch.cuda.synchronize()
-        assert len(opt.host._out) == (2 if stage_out is None else 0)
+        assert len(opt.host._out) == (2 if stage_out else 0)
         models.append(model)
     for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
         assert torch.equal(a, b), name

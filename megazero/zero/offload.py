@@ -12,10 +12,11 @@ GPU is present, so the copies below are asynchronous). A step runs over sub-grou
 3. Adam of sub-group k runs on the host, one fused call per run of decayed / undecayed elements of the flat
    chunk (not per parameter), on this rank's share of the cores (:func:`~megazero.zero.host_adam.host_threads`);
 4. the updated sub-group is copied back to the device parameters (on the compute stream, so the next forward
-   waits for it) while the next sub-group is computed. A 16-bit model is cast on the host into one of two
-   pinned staging chunks first (DeepSpeed's ``adam_update_copy``): a copy from the fp32 master straight into
-   bf16 device parameters would have torch cast into a pageable temporary and copy it synchronously, holding
-   the host until the transfer ends.
+   waits for it) while the next sub-group is computed. From the pinned fp32 master into 16-bit parameters,
+   torch's non-blocking copy moves 4 bytes per element and casts on the GPU (into a temporary there);
+   ``stage_out`` casts on the host into one of two pinned 16-bit staging chunks first (DeepSpeed's
+   ``adam_update_copy``), moving 2 bytes per element for one more pass over host memory. Off by default until
+   a GPU run says which costs less.
 
 The arithmetic is the non-overlapped step's, so the result is the same bit for bit (tests/test_offload.py);
 DeepSpeed's one-step delayed parameter update, which changes it, is not implemented. In fp32 the device
@@ -53,12 +54,11 @@ class HostOffload:
     :func:`~megazero.zero.host_adam.host_threads` at each step)."""
 
     def __init__(self, pin: bool, chunk: int | None = None, threads: int | None = None,
-                 stage_out: bool | None = None) -> None:
+                 stage_out: bool = False) -> None:
         self.pin = pin
         self.chunk = chunk or SUB_GROUP
         self.threads = threads
-        # cast the copy-back through two pinned model-dtype chunks (None: when pinned and the device parameters'
-        # dtype differs from the master's; tests force it on the CPU)
+        # cast the copy-back on the host through two pinned model-dtype chunks (False: copy from the master)
         self.stage_out = stage_out
         self._out: list[torch.Tensor] = []  # the two staging chunks, allocated once
         self._out_done: list[torch.cuda.Event | None] = [None, None]  # each chunk's last copy (pinned)
@@ -123,10 +123,7 @@ class HostOffload:
     def _staged_out(self, master: torch.Tensor, segments: Sequence[OwnedSegment]) -> bool:
         """Whether the copy-back goes through the pinned staging chunks (allocating them the first time)."""
         dtypes = {s.param.dtype for s in segments}
-        stage = self.stage_out
-        if stage is None:
-            stage = self.pin and any(s.param.is_cuda for s in segments) and dtypes != {master.dtype}
-        if not stage or len(dtypes) != 1:
+        if not self.stage_out or len(dtypes) != 1:
             return False
         if not self._out:
             dtype = next(iter(dtypes))
