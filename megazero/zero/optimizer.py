@@ -271,8 +271,9 @@ class ZeroOptimizer:
         return self.scaler.scale if self.scaler is not None else None
 
     def _owned_grads(self) -> OwnedGrads:
-        """The reduced owned gradients: the store's segment buffers in place (no copy), or under optimizer
-        offload their fp32 copy in a host buffer allocated once."""
+        """The reduced owned gradients: the store's segment buffers in place (no copy); under optimizer offload
+        the same device gradients, staged to the fp32 host buffer sub-group by sub-group by the host Adam
+        (:meth:`megazero.zero.offload.HostOffload.owned_grads`)."""
         if self.host is not None:
             return self.host.owned_grads(self.store.segments, self.state.starts)
         return OwnedGrads([(a, s.grad) for s, a in zip(self.store.segments, self.state.starts)])
@@ -281,8 +282,8 @@ class ZeroOptimizer:
         """The squared global gradient norm as a 0-dim fp64 tensor on the gradients' device (no host read).
 
         Squares are summed on the device over this rank's counted runs, then over DP (partitioned gradients)
-        and the model-parallel group. Under optimizer offload ``g`` lives in host memory: the local sum is
-        moved to the device so the collectives get a tensor on their group's device.
+        and the model-parallel group. Under optimizer offload ``g`` is still on the device (its host copy is
+        made during Adam); the sum is moved to the communication device in case the two differ.
         """
         runs = [g.slice(a, b) for a, b in self._norm_runs]  # one kernel launch for all runs (not one per run)
         norms = torch._foreach_norm(runs, 2, dtype=torch.float32) if runs else []
