@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megazero.config.cli import parse_args
-from megazero.config.schema import ConfigError, ModelConfig
+from megazero.config.schema import ModelConfig
 from megazero.distributed.ledger import ZERO_GROUPS
 from megazero.pipeline.schedules import build_schedule, simulate
 from megazero.plan.estimate import peak_bytes
@@ -49,7 +49,8 @@ def train_eval_runs(ctx, runs: list[list[str]], cache: str, log_dir: str) -> lis
 @pytest.fixture(scope="module")
 def references(data_cache):
     """The one-process references by (global batch, steps) of the 8-layer GPT-2, and "llama"."""
-    keys = [(8, 10), (5, 10), (9, 10), (8, 4)]  # the keys tests/test_pipeline.py uses too (cached per session)
+    keys = [(8, 10), (5, 10), (9, 10), (8, 4), (6, 4)]  # (6, 4): pp 2 x dp 2, m = 3; the others are also
+    # tests/test_pipeline.py's (cached per session)
     refs = {k: run_reference(data_cache, RefSpec(num_layers=8, global_batch=k[0], train_steps=k[1])) for k in keys}
     refs["llama"] = run_reference(data_cache, LLAMA)
     return {k: (r.losses + [r.eval_loss], r.final) for k, r in refs.items()}
@@ -142,12 +143,10 @@ def test_zb_h1_pp4_matches_single_process(references, data_cache, tmp_path):
 
 def test_zb_h1_with_tensor_sequence_and_data_parallel_at_every_zero_stage(references, data_cache, tmp_path):
     """8 ranks, pp 2 x tp 2 x dp 2, four steps: ZeRO 1 and 2 with sequence parallelism (the SP all-gather of a
-    linear's input moves to W), ZeRO 3 (B gathers the blocks, W gathers nothing). ZeRO 3 with --overlap-comm is
-    refused for now: its asynchronous reductions in W lose parity (4e-3 on the loss), not understood yet."""
-    with pytest.raises(ConfigError, match="--no-overlap-comm"):
-        parse_args([*PP_MODEL, "--pp", "2", *ZB, "--zero-stage", "3", "--overlap-comm"]).resolve(2)
+    linear's input moves to W), ZeRO 3 (B gathers the blocks, W gathers nothing). ZeRO 3 with --overlap-comm:
+    test_zero_reduces_in_w_and_gathers_only_in_f_and_b (pp 2 x dp 2)."""
     cuda = parse_args([*PP_MODEL, "--pp", "2", *ZB, "--zero-stage", "3"]).resolve(2, device_type="cuda")
-    assert cuda.zero.overlap_comm is False  # the CUDA default steps aside
+    assert cuda.zero.overlap_comm is True  # overlap is the CUDA default for zb-h1 at stage 3 as for the others
     base = [*PP_MODEL, "--pp", "2", "--tp", "2", "--dp", "2", *ZB, "--train-steps", "4", "--micro-batch-size", "1",
             "--global-batch-size", "8"]
     runs = [((8, 4), [*base, "--zero-stage", "1", "--sequence-parallel"]),
@@ -174,9 +173,9 @@ def _zero_traffic(totals) -> tuple[int, int]:
     return grad, param
 
 
-def _zero_phases(ctx, cache: str, m: int):
+def _zero_phases(ctx, cache: str, m: int, log_dir: str, parity: list[list[str]]):
     """Per ZeRO stage: the ZeRO-group traffic during each B and W of a zb-h1 step, the DP volume per step of zb-h1
-    and of 1F1B; then a step whose last W gradient is non-finite."""
+    and of 1F1B; then a step whose last W gradient is non-finite; then the ``parity`` runs (train_eval_runs)."""
     from dataclasses import replace
 
     from tests.common import dp_volumes
@@ -223,17 +222,26 @@ def _zero_phases(ctx, cache: str, m: int):
     finally:
         weight_grad.weight_gradients = real
     unchanged = all(torch.equal(a, p) for a, p in zip(before, (p for c in engine.chunks for p in c.parameters())))
-    return out, result.skipped, unchanged
+    return out, result.skipped, unchanged, train_eval_runs(ctx, parity, cache, log_dir)
 
 
-def test_zero_reduces_in_w_and_gathers_only_in_f_and_b(data_cache):
+# ZeRO 3 with --overlap-comm: W's asynchronous reductions of the persistent parameters (all of this model's, under
+# the default stage3_param_persistence_threshold) must be waited for when W reaches no gathered unit
+ZB3_OVERLAP = [*PP_MODEL, "--pp", "2", "--dp", "2", *ZB, "--zero-stage", "3", "--overlap-comm", "--train-steps", "4",
+               "--micro-batch-size", "1", "--global-batch-size", "6"]
+
+
+def test_zero_reduces_in_w_and_gathers_only_in_f_and_b(references, data_cache, tmp_path):
     """pp 2 x dp 2, m = 3, zb-h1. No gradient is reduced during any B; stages 2 and 3 reduce during every W
     (a bucket or unit is ready when its last W gradient arrives), stage 1 during the step's last W; no
     parameter is gathered during W (``dW = g^T x``), stage 3 gathers during B. The DP volume per step equals
     1F1B's (stage 3: 3mΨ). A non-finite gradient in the step's last W (one rank) skips the step on every rank
-    and leaves the weights as they were."""
+    and leaves the weights as they were. In the same world, ZeRO 3 with --overlap-comm trains 4 steps as one
+    process does (fp32 1e-5; without the persistent parameters' wait in W: 5e-3 off from step 2 on)."""
     m = 3
-    for out, skipped, unchanged in run_world(_zero_phases, 4, data_cache, m, pp=2):
+    worlds = run_world(_zero_phases, 4, data_cache, m, str(tmp_path), [ZB3_OVERLAP], pp=2)
+    _check([w[3] for w in worlds], [((6, 4), ZB3_OVERLAP)], references, "pp2 dp2 ZeRO 3 overlap")
+    for out, skipped, unchanged, _ in worlds:
         for stage, (phases, zb, one) in out.items():
             b = [p for p in phases if p[0] == "B"]
             w = [p for p in phases if p[0] == "W"]

@@ -256,10 +256,7 @@ def resolve_config(cfg: Cfg, world_size: int, device_type: str = "cpu") -> Cfg:
     _require(0.0 <= cfg.data.eval_fraction < 1.0, f"data eval_fraction must be in [0, 1), got "
              f"{cfg.data.eval_fraction}")
 
-    zb3 = split and z.stage == 3  # zb-h1 at stage 3: W's asynchronous reductions are not right yet (issue 29)
-    overlap = device_type == "cuda" and not zb3 if z.overlap_comm is None else z.overlap_comm  # explicit wins
-    _require(not (zb3 and overlap), f"--pp-schedule {p.pp_schedule} with --zero-stage 3 and --overlap-comm is not "
-             "supported yet (the weight passes' asynchronous reductions lose parity); pass --no-overlap-comm")
+    overlap = device_type == "cuda" if z.overlap_comm is None else z.overlap_comm  # an explicit setting wins
     resolved = replace(cfg, parallel=replace(p, dp_size=dp), zero=replace(z, overlap_comm=overlap),
                        training=replace(t, micro_batch_size=micro, global_batch_size=glob,
                                         gradient_accumulation_steps=accum),

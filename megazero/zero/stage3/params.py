@@ -16,8 +16,7 @@ fp32 master copy.
   gradients into the unit's staging buffer; once all have arrived the unit is released and its staging buffer
   reduce-scattered to the owners at once (asynchronously with ``overlap_comm``, at most
   ``max_inflight_buckets`` reductions in flight, default 2, over ``reduce_group``: on NCCL a stream apart from
-  the gathers'). Block-sized buffers (gathers, staging, converted chunks) are the persistent slots of
-  :mod:`.slots`.
+  the gathers'). Block-sized buffers (gathers, staging, converted chunks) are the persistent slots of :mod:`.slots`.
   The tied embedding's gradient arrives once, after both uses.
 * **Gradient precision**: the reduction and the owned gradient are in ``grad_dtype`` (the optimizer's
   ``--grad-dtype``: fp32 when training in bf16 by default, the model dtype otherwise). Local gradients arrive
@@ -31,7 +30,7 @@ fp32 master copy.
   copied to the device just before their all-gather; the optimizer writes updated values into the host shard.
 * **Persistence**: parameters of at most ``stage3_param_persistence_threshold`` elements (DeepSpeed's rule)
   stay whole on every rank, handled like stage 2 by one :class:`~megazero.zero.bucketed.BucketedParams` per
-  model chunk.
+  model chunk; their gradients mark the chunk touched, so a W pass reaching no unit still finishes the store.
 * **Sharded initialisation**: a model built on the meta device is materialised one unit at a time by
   ``param_init`` (the full local value of one parameter): a unit's parameters are initialised in full, this
   rank's slice kept, and the full values freed before the next unit.
@@ -102,6 +101,8 @@ class Stage3Params:
                 overlap_comm=cfg.overlap_comm, reduce_scatter=cfg.reduce_scatter, isolate=isolate,
                 grad_dtype=self.grad_dtype, max_inflight=self.max_inflight, param_init=param_init,
                 device=self.device, reduce_group=self.reduce_group) if ps else None
+            for p in ps:  # after the store's hook: the chunk is touched, so finish_backward finishes the store
+                p.register_post_accumulate_grad_hook(lambda _, c=c: self._touched.add(c))  # (docstring)
             self.persistent.append(store)
             self.segments += store.segments if store is not None else []
         for s in specs:
