@@ -25,6 +25,27 @@ def train_runs(ctx, runs: list[list[str]], cache: str, log_dir: str) -> list[tup
     return out
 
 
+EVAL = ["--eval-interval", "1000", "--eval-iters", "1"]  # one evaluation, after the last step
+
+
+def train_eval_runs(ctx, runs: list[list[str]], cache: str, log_dir: str) -> list[tuple[list[float], dict | None]]:
+    """:func:`train_runs` with one evaluation after the last step, whose loss is appended to the training losses
+    (so a parity check covers evaluation under every schedule and topology too); the state is the stage's full
+    state on its tp/dp/cp rank 0, None elsewhere."""
+    from megazero.config.cli import parse_args
+    from megazero.train.loop import run_training
+
+    out = []
+    for i, flags in enumerate(runs):
+        cfg = parse_args([*SMALL_FLAGS, *flags, *EVAL, "--cache-dir", cache,
+                          "--log-dir", f"{log_dir}/{ctx.world_size}-{i}"])
+        s = run_training(cfg.resolve(ctx.world_size), ctx, keep_final_state=True)
+        assert len(s.eval_losses) == 1, s.eval_losses
+        first = ctx.tp_rank == 0 and ctx.dp_rank == 0 and ctx.cp_rank == 0
+        out.append((s.losses + [s.eval_losses[0][1]], s.final_state if first else None))
+    return out
+
+
 def dp_volumes(ctx, engine, micro_batches: int, steps: int = 2, shape: tuple[int, int] = (2, 32),
                vocab: int = 512) -> list[int]:
     """The ledger's ZeRO-group volume of each of ``steps`` steps of ``engine`` over the same random micro-batches

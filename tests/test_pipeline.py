@@ -10,27 +10,12 @@ from megazero.config.schema import ConfigError
 from megazero.pipeline.partition import PipelineLayoutError, partition_layers, stage_specs
 from megazero.pipeline.schedules import ScheduleError, build_schedule, simulate
 from megazero.train.engine import Engine
-from megazero.train.loop import run_training
-from tests.common import SMALL_FLAGS, assert_matches_reference, dp_volumes, merge_runs
+from tests.common import assert_matches_reference, dp_volumes, merge_runs, train_eval_runs
 from tests.dist import run_world
 from tests.reference import RefSpec, run_reference
 
 PP_MODEL = ["--num-layers", "8"]
-EVAL = ["--eval-interval", "1000", "--eval-iters", "1"]  # one evaluation, after the last step
 
-
-def train_eval_runs(ctx, runs: list[list[str]], cache: str, log_dir: str) -> list[tuple[list[float], dict | None]]:
-    """:func:`tests.common.train_runs` with one evaluation after the last step, whose loss is appended to the
-    training losses (so the parity check covers evaluation under every schedule and topology too)."""
-    out = []
-    for i, flags in enumerate(runs):
-        cfg = parse_args([*SMALL_FLAGS, *flags, *EVAL, "--cache-dir", cache,
-                          "--log-dir", f"{log_dir}/{ctx.world_size}-{i}"])
-        s = run_training(cfg.resolve(ctx.world_size), ctx, keep_final_state=True)
-        assert len(s.eval_losses) == 1, s.eval_losses
-        state = s.final_state if ctx.tp_rank == 0 and ctx.dp_rank == 0 else None
-        out.append((s.losses + [s.eval_losses[0][1]], state))
-    return out
 
 
 # -- pure: partitioning and timelines ---------------------------------------------------------------------

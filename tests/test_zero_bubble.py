@@ -20,30 +20,16 @@ from megazero.plan.estimate import peak_bytes
 from megazero.tensor_parallel import weight_grad
 from megazero.tensor_parallel.layers import embedding, linear
 from megazero.train.engine import Engine
-from megazero.train.loop import run_training
-from tests.common import SMALL_FLAGS, assert_matches_reference, merge_runs
+from tests.common import assert_matches_reference, merge_runs, train_eval_runs
 from tests.dist import run_world
 from tests.reference import LLAMA, RefSpec, run_reference
 
 PP_MODEL = ["--num-layers", "8"]
-EVAL = ["--eval-interval", "1000", "--eval-iters", "1"]  # one evaluation, after the last step
 ZB = ["--pp-schedule", "zb-h1"]
 LLAMA_FLAGS = ["--arch", "llama", "--num-layers", str(LLAMA.num_layers), "--num-kv-heads", str(LLAMA.num_kv_heads),
                "--ffn-hidden-size", str(LLAMA.ffn_size), "--train-steps", str(LLAMA.train_steps)]
 TINY = ["--vocab-size", "512", "--seq-len", "32", "--hidden-size", "64", "--num-heads", "4"]
 
-
-def train_eval_runs(ctx, runs: list[list[str]], cache: str, log_dir: str) -> list[tuple[list[float], dict | None]]:
-    """Train each flag set; (losses + the final evaluation loss, the stage's full state on tp/dp/cp rank 0)."""
-    out = []
-    for i, flags in enumerate(runs):
-        cfg = parse_args([*SMALL_FLAGS, *flags, *EVAL, "--cache-dir", cache,
-                          "--log-dir", f"{log_dir}/{ctx.world_size}-{i}"])
-        s = run_training(cfg.resolve(ctx.world_size), ctx, keep_final_state=True)
-        assert len(s.eval_losses) == 1, s.eval_losses
-        first = ctx.tp_rank == 0 and ctx.dp_rank == 0 and ctx.cp_rank == 0
-        out.append((s.losses + [s.eval_losses[0][1]], s.final_state if first else None))
-    return out
 
 
 @pytest.fixture(scope="module")
