@@ -34,6 +34,7 @@ import statistics
 import sys
 import time
 import traceback
+from typing import NoReturn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -385,7 +386,6 @@ def _compare(args, device, ctx, name: str, peak: float | None, ceiling: float, o
 def main() -> None:
     args = parser().parse_args()
     out: dict = {"torch": torch.__version__}
-    code = 0
     try:
         device, ctx, name = setup(args)
         ceiling = matmul_ceiling(device)
@@ -399,15 +399,23 @@ def main() -> None:
         else:
             _compare(args, device, ctx, name, peak, ceiling, out)
     except Exception as e:  # noqa: BLE001 - write what was measured, say what broke, exit non-zero
-        traceback.print_exc()
-        out["error"] = f"{type(e).__name__}: {e}"
-        code = 1
-    if args.json:
-        with open(args.json, "w") as f:
+        finish(out, args.json, e)
+    finish(out, args.json)
+
+
+def finish(out: dict, json_path: str | None, error: BaseException | None = None) -> NoReturn:
+    """End a bench process: print ``error``'s traceback and record it in ``out``, write ``out`` to
+    ``json_path`` (what was measured survives a failure) and exit, 1 on an error, without process-group
+    teardown (its races at exit)."""
+    if error is not None:
+        traceback.print_exception(error)
+        out["error"] = f"{type(error).__name__}: {error}"
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(out, f, indent=1)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # skip process-group teardown races at exit
+    os._exit(0 if error is None else 1)
 
 
 def vars_of(m: ModelConfig) -> dict:

@@ -15,7 +15,6 @@ stand in for kernels, so the plumbing is tested without a GPU. ``--json`` writes
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -94,7 +93,7 @@ def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from bench.gpu import MODELS, _batch, _flags, _sync, setup
+    from bench.gpu import MODELS, _batch, _flags, _sync, finish, setup
     from megazero.config.cli import parse_args
     from megazero.config.schema import model_preset
     from megazero.train.engine import Engine
@@ -111,7 +110,6 @@ def main() -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     out: dict = {"model": args.model, "micro_batch": args.micro_batch_size, "torch": torch.__version__}
-    code = 0
     try:
         device, ctx, name = setup(args)
         out.update(device=name, precision=args.precision, compile=args.compile)
@@ -145,17 +143,8 @@ def main() -> None:
             print(f"| {k['name'][:80]} | {k['calls_per_step']:.0f} | {k['ms_per_step']:.2f} | "
                   f"{'n/a' if share is None else f'{100 * share:.1f}%'} |")
     except Exception as e:  # noqa: BLE001 - write what was measured, say what broke, exit non-zero
-        import traceback
-
-        traceback.print_exc()
-        out["error"] = f"{type(e).__name__}: {e}"
-        code = 1
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # skip process-group teardown races at exit
+        finish(out, args.json, e)
+    finish(out, args.json)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from tests.dist import run_world  # noqa: E402
-from tests.test_step_ops import STEP_TAGS, StepOps, _grad_ptrs  # noqa: E402
+from tests.test_step_ops import count_step  # noqa: E402
 
 
 def _rank(ctx, flags: list[str], stages: list[int], steps: int, micro: int) -> dict:
@@ -44,19 +44,7 @@ def _rank(ctx, flags: list[str], stages: list[int], steps: int, micro: int) -> d
         batch = [(torch.randint(0, m.vocab_size, (2, m.seq_len), generator=gen),
                   torch.randint(0, m.vocab_size, (2, m.seq_len), generator=gen)) for _ in range(micro)]
         engine.train_step(batch, measure=False)
-        opt, prepare = engine.optimizer, engine.optimizer.prepare_step
-        mode = StepOps(_grad_ptrs(opt))
-
-        def update(mode=mode, prepare=prepare):
-            mode.phase = "update"
-            return prepare()
-
-        opt.prepare_step = update
-        calls = dict(ctx.ledger.calls)
-        with mode:
-            engine.train_step(batch, measure=False)
-        opt.prepare_step = prepare
-        collectives = sum(n - calls.get(k, 0) for k, n in ctx.ledger.calls.items() if k[2] in STEP_TAGS)
+        counts = count_step(ctx, engine, batch)
         times = []
         for _ in range(steps):
             ctx.world_group.barrier()
@@ -64,8 +52,8 @@ def _rank(ctx, flags: list[str], stages: list[int], steps: int, micro: int) -> d
             engine.train_step(batch, measure=False)
             times.append((time.process_time() - cpu, time.perf_counter() - wall))
         params = sum(1 for p in engine.model.parameters() if p.requires_grad)
-        out[stage] = (mode.counts.get(("step", "backward"), 0), mode.counts.get(("step", "update"), 0), collectives,
-                      len(opt.store.segments), params, times)
+        out[stage] = (counts.get(("step", "backward"), 0), counts.get(("step", "update"), 0),
+                      counts[("step", "collective")], len(engine.optimizer.store.segments), params, times)
     return out
 
 

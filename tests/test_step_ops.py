@@ -97,22 +97,31 @@ def _count_world(ctx, configs: list[tuple[str, list[str]]], cache: str) -> dict:
             batch = [(torch.randint(0, 512, (2, 32), generator=gen), torch.randint(0, 512, (2, 32), generator=gen))
                      for _ in range(MICRO)]
             engine.train_step(batch, measure=False)  # buffers that persist between steps exist from here on
-            mode = StepOps(_grad_ptrs(engine.optimizer))
-            opt, prepare = engine.optimizer, engine.optimizer.prepare_step
-
-            def update(mode=mode, prepare=prepare):
-                mode.phase = "update"
-                return prepare()
-
-            opt.prepare_step = update
-            calls = dict(ctx.ledger.calls)
-            with mode:
-                engine.train_step(batch, measure=False)
-            mode.counts[("step", "collective")] = sum(n - calls.get(k, 0) for k, n in ctx.ledger.calls.items()
-                                                      if k[2] in STEP_TAGS)
             params = sum(1 for p in engine.model.parameters() if p.requires_grad)
-            out[(name, layers)] = (dict(mode.counts), len(engine.optimizer.store.segments), params)
+            out[(name, layers)] = (count_step(ctx, engine, batch), len(engine.optimizer.store.segments), params)
     return out
+
+
+def count_step(ctx, engine, batch) -> dict:
+    """The counted ops of one ``engine.train_step(batch)`` by (phase, kind): ``backward`` up to the optimizer's
+    ``prepare_step``, ``update`` from there; ``("step", "collective")`` the ledger's calls of the step's tags."""
+    opt, prepare = engine.optimizer, engine.optimizer.prepare_step
+    mode = StepOps(_grad_ptrs(opt))
+
+    def update():
+        mode.phase = "update"
+        return prepare()
+
+    opt.prepare_step = update
+    calls = dict(ctx.ledger.calls)
+    try:
+        with mode:
+            engine.train_step(batch, measure=False)
+    finally:
+        opt.prepare_step = prepare
+    mode.counts[("step", "collective")] = sum(n - calls.get(k, 0) for k, n in ctx.ledger.calls.items()
+                                              if k[2] in STEP_TAGS)
+    return dict(mode.counts)
 
 
 # every road a gradient takes: into the flat buffer as ``p.grad`` views (fp32 stages 0-1) or cast to fp32 (bf16),
