@@ -23,9 +23,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from megazero.config.precision import ELEMENT_BYTES
 from megazero.config.schema import ModelConfig
 from megazero.plan.roofline import Cluster, StepTime
 from megazero.plan.search import Layout, Plan, evaluate
+from megazero.zero.grads import grad_dtype_for
 from megazero.zero.quantize import GRAD_BLOCK, WEIGHT_BLOCK
 
 __all__ = ["SETTINGS", "ZeroppPlan", "rank_zeropp", "spans_nodes", "zeropp_bytes"]
@@ -99,17 +101,18 @@ def rank_zeropp(model: ModelConfig, lay: Layout, global_batch: int, c: Cluster, 
     nd = lay.dp * lay.cp
     local = _local(lay, c)
     nodes = max(1, nd // local)
-    grad_bytes = 4 if precision == "bf16" else 2  # bf16 reduces in fp32 by default (DESIGN.md)
+    w = ELEMENT_BYTES[precision]
+    grad_bytes = grad_dtype_for(precision).itemsize  # as evaluate counts them: bf16 reduces in fp32 (DESIGN.md)
     m = global_batch // (lay.micro_batch_size * lay.dp)
-    psi = base.dp_bytes / (m * (4 + grad_bytes)) if m else 0.0  # evaluate's 2mΨ·w + mΨ·g
+    psi = base.dp_bytes / (m * (2 * w + grad_bytes)) if m else 0.0  # evaluate's 2mΨ·w + mΨ·g
     out = []
     for name, (hpz, qwz, qgz) in settings.items():
         if hpz and local == 1:  # no node partner to partition over: hpZ would be a whole 16-bit copy
             continue
-        inter, intra, node, parts = zeropp_bytes(psi, m, local, nodes, hpz, qwz, qgz, grad_bytes)
+        inter, intra, node, parts = zeropp_bytes(psi, m, local, nodes, hpz, qwz, qgz, grad_bytes, w)
         dp_s = _seconds(parts, local, c) * (1.0 - c.dp_overlap)
         t: StepTime = replace(base.time, dp_comm=dp_s)
-        extra = 2 * psi / local if hpz and nodes > 1 else 0.0
+        extra = w * psi / local if hpz and nodes > 1 else 0.0
         plan = replace(base, time=t, peak_bytes=base.peak_bytes + extra, dp_bytes=inter + intra,
                        fits=base.peak_bytes + extra <= c.usable_memory_bytes)
         out.append(ZeroppPlan(name, plan, inter, intra, node, extra))

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import torch
 
-from megazero.distributed.group import Group
+from megazero.distributed.group import Group, _Done
 from megazero.zero.quantize import GRAD_BLOCK, dequantize, quantize
 
 __all__ = ["QuantizedReduce", "qgz_reduce_scatter"]
@@ -111,11 +111,3 @@ class QuantizedReduce:
             flat[:lo].fill_(float("nan"))
             flat[lo + n:].fill_(float("nan"))
         return _Done() if async_op else None
-
-
-class _Done:
-    def wait(self) -> None:
-        return None
-
-    def is_completed(self) -> bool:
-        return True

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["GRAD_BLOCK", "WEIGHT_BLOCK", "dequantize", "error_bound", "packed_bytes", "quantize"]
+__all__ = ["GRAD_BLOCK", "WEIGHT_BLOCK", "dequantize", "error_bound", "quantize"]
 
 WEIGHT_BLOCK = 256  # qwZ: INT8 values per scale (module docstring)
 GRAD_BLOCK = 128  # qgZ: INT4 (or INT8) values per scale
@@ -47,12 +47,6 @@ def _qmax(bits: int) -> int:
 def blocks_per_row(n: int, block: int) -> int:
     """Blocks covering ``n`` values."""
     return -(-n // block)
-
-
-def packed_bytes(rows: int, n: int, bits: int, block: int) -> tuple[int, int]:
-    """(bytes of the quantized values, bytes of the fp32 scales) of a ``rows`` x ``n`` tensor."""
-    nb = blocks_per_row(n, block)
-    return rows * nb * block * bits // 8, rows * nb * 4
 
 
 def quantize(x: torch.Tensor, bits: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
