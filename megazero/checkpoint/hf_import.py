@@ -58,7 +58,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from megazero.checkpoint.store import CheckpointError, find_checkpoint
+from megazero.checkpoint.store import resume_step_dir
 from megazero.config.errors import ConfigError, ConfigWarning
 from megazero.config.schema import Config, ModelConfig
 from megazero.data import check_vocab_size, open_tokenizer, sidecar_tokenizer
@@ -294,24 +294,13 @@ def _from_hf_dir(cfg: Config) -> Config:
     return replace(cfg, model=model, model_preset=f"hf:{path.name}", data=data)
 
 
-def _checkpoint_to_load(cfg: Config) -> Path | None:
-    """The step directory ``--load`` will resume from, or None (none yet under ``--load auto``; loading reports a
-    missing or damaged one)."""
-    t = cfg.training
-    root = t.save if t.load == "auto" else t.load
-    try:
-        return find_checkpoint(root) if root is not None else None
-    except (CheckpointError, OSError):
-        return None
-
-
 def configure_from_inputs(cfg: Config) -> Config:
     """``cfg`` with the model shape its inputs fix: ``--init-from``'s config.json, then the tokenizer's
     vocabulary (module docstring). Call before :meth:`Config.resolve`; raises :class:`ConfigError`."""
     init_from = cfg.training.init_from
     if init_from is not None:
         cfg = _from_hf_dir(cfg)
-        step_dir = _checkpoint_to_load(cfg)
+        step_dir = resume_step_dir(cfg.training.load, cfg.training.save)
         if step_dir is not None:  # its weights would be replaced: read only config.json (and the tokenizer)
             warnings.warn(ConfigWarning(f"--init-from {init_from}: its weights are not read, --load resumes "
                                         f"{step_dir} (config.json still sets the model)"), stacklevel=2)

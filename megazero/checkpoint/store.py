@@ -43,6 +43,7 @@ __all__ = [
     "find_checkpoint",
     "first_failure",
     "list_checkpoints",
+    "resume_step_dir",
     "prepare_step_dir",
     "prune",
     "step_dir_name",
@@ -92,6 +93,16 @@ def find_checkpoint(path: str | os.PathLike) -> Path | None:
     found = list_checkpoints(path)
     return found[-1][1] if found else None
 
+
+
+def resume_step_dir(load: str | os.PathLike | None, save: str | os.PathLike | None) -> Path | None:
+    """The step directory a run with ``--load load`` (``"auto"``: the newest under ``save``) resumes from, or
+    None: no ``--load``, none saved yet, or one that cannot be read (loading itself reports what is wrong)."""
+    root = save if load == "auto" else load
+    try:
+        return find_checkpoint(root) if root is not None else None
+    except (CheckpointError, OSError):
+        return None
 
 def _remove_step_dir(d: Path) -> None:
     (d / MANIFEST).unlink(missing_ok=True)  # first: a half-deleted directory must not look complete

@@ -11,15 +11,15 @@ Decisions:
   the causal triangle when ``qa == kb`` (the rank's own block, step 0) and skipped when ``qa < kb``. So every
   rank computes 3 chunk-by-chunk blocks at step 0 and 2 at every later step: the balance the 2·cp chunks buy.
   Which blocks are full, causal or skipped follows the chunks' true offsets (their ids), never the local index;
-  no mask tensor exists: a diagonal block is square, so ``is_causal`` is its triangle.
+  a diagonal block is square, so the fused kernels take ``is_causal`` for its triangle (no mask tensor).
 * **Blocks through fused kernels** (:func:`block_kernel`). Each block runs SDPA's fused kernel that returns the
   log-sum-exp of its rows: on CUDA FlashAttention-2 (``aten._scaled_dot_product_flash_attention``, fp16/bf16,
   head dim a multiple of 8 up to 256) or the memory-efficient kernel (fp32, larger heads), on the CPU (and the
   meta device of the dry run) ``aten._scaled_dot_product_flash_attention_for_cpu``; their backward ops take the
   *merged* output and log-sum-exp, so each block's gradient is exact without its own softmax. Where none of
   them exists (an older torch, another dtype) the block is plain matmuls holding one fp32 chunk-by-chunk score
-  matrix (``kernel="matmul"``, also selectable to check one path against the other). Either way no
-  ``[S, S]`` tensor and no boolean mask is built, so what a rank holds falls as 1/cp.
+  matrix and one chunk-by-chunk causal mask for a diagonal block (``kernel="matmul"``, also selectable to check
+  one path against the other). Either way no ``[S, S]`` tensor is built, so what a rank holds falls as 1/cp.
 * **Layout.** The queries are re-laid once as ``[2 chunks, B, Hkv, g, c, D]`` (``g = Hq / Hkv``) and K/V as
   ``[2 (k, v), 2 chunks, B, Hkv, c, D]`` (the buffer that travels), so every block's operands are contiguous.
   **Grouped-query attention** never repeats K/V for the full blocks: the ``g`` query heads of one K/V head are
@@ -198,7 +198,9 @@ def _block_backward_fused(kind, qa, kb, vb, dout, out, lse, scale, diagonal):
         rows = (b, h * g, c, d)
         dq, dk, dv = _fused_backward(kind, dout.view(rows), qa.view(rows), _expand_heads(kb, g), _expand_heads(vb, g),
                                      out.view(rows), lse.view(b, h * g, c), True, scale)
-        return dq.reshape(b, h, g, c, d), dk.reshape(b, h, g, c, d).sum(2), dv.reshape(b, h, g, c, d).sum(2)
+        # the g query heads' K/V gradients summed in fp32, as the ring accumulates them
+        return (dq.reshape(b, h, g, c, d), dk.reshape(b, h, g, c, d).sum(2, dtype=torch.float32),
+                dv.reshape(b, h, g, c, d).sum(2, dtype=torch.float32))
     rows = (b, h, g * c, d)
     dq, dk, dv = _fused_backward(kind, dout.view(rows), qa.view(rows), kb, vb, out.view(rows),
                                  lse.view(b, h, g * c), False, scale)

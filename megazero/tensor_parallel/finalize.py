@@ -57,7 +57,7 @@ def all_reduce_coalesced(tensors: Sequence[torch.Tensor], group: Group, tag: str
     views = [v.view_as(t) for v, t in zip(views, tensors)]
     torch._foreach_copy_(views, list(tensors), non_blocking=True)  # one launch, not one copy per tensor
     group.all_reduce(buffer, tag=tag)
-    torch._foreach_copy_(list(tensors), views)  # blocking: a host target is read next
+    torch._foreach_copy_(list(tensors), views)  # the sums back into the gradients
     return buffer
 
 

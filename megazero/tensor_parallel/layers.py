@@ -379,7 +379,7 @@ class VocabParallelEmbedding(nn.Module):
 
     Ids outside this rank's range look up zeros and the partial results are summed over the group. The same
     weight serves as the tied LM head through :meth:`logits` (an untied output layer is a second instance used
-    through :meth:`logits` only), which returns this rank's vocabulary slice of the logits (padded entries set to ``-inf`` so they never reach a softmax). With ``sequence_parallel``
+    through :meth:`logits` only), which returns this rank's vocabulary slice of the logits (padded entries at ``-inf`` so they never reach a softmax, unless ``mask_padding=False``: the loss then skips them itself). With ``sequence_parallel``
     the lookup's partial sums are reduce-scattered along the sequence and the LM head's input is all-gathered.
     """
 

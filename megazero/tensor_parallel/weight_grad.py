@@ -69,6 +69,8 @@ class WeightGradStore:
     the Functions call :meth:`defer`; it yields the :class:`WeightWork` that B leaves for W.
     """
 
+    open_passes = 0  # B passes open in this process, any store: lets backward_inside skip its graph walk
+
     def __init__(self) -> None:
         self.deferring = False
         self._work: WeightWork | None = None
@@ -83,10 +85,12 @@ class WeightGradStore:
             raise RuntimeError("a B pass started inside another one")
         work = WeightWork()
         self.deferring, self._work = True, work
+        WeightGradStore.open_passes += 1
         try:
             yield work
         finally:
             self.deferring, self._work = False, None
+            WeightGradStore.open_passes -= 1
 
     def defer(self, params: tuple[nn.Parameter | None, ...], fn: Callable[[], Sequence[torch.Tensor | None]]) -> None:
         assert self._work is not None, "defer() outside a B pass"
@@ -185,7 +189,7 @@ def backward_inside(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
     """The backward a recomputation runs inside its node's backward: gradients of ``inputs`` (None where an input
     needs none). In a B pass the parameters inside get theirs through the store (module docstring); otherwise
     this is ``torch.autograd.backward`` into the parameters' ``.grad`` as usual."""
-    params = _graph_parameters(outputs)
+    params = _graph_parameters(outputs) if WeightGradStore.open_passes else []  # the walk only inside a B
     store = next((s for s in map(deferring_store, params) if s is not None), None)
     want = [x for x in inputs if x.requires_grad]
     if store is None:

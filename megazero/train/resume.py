@@ -14,7 +14,7 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from megazero.checkpoint.store import MANIFEST, CheckpointError, find_checkpoint
+from megazero.checkpoint.store import MANIFEST, resume_step_dir
 from megazero.config.errors import ConfigError
 from megazero.config.schema import Config
 
@@ -23,14 +23,12 @@ __all__ = ["resolve_for_resume"]
 
 def _saved_training(cfg: Config) -> tuple[Any, dict[str, Any]] | None:
     """(step directory, its saved training settings) of the checkpoint ``--load`` names, if there is one."""
-    t = cfg.training
-    root = t.save if t.load == "auto" else t.load
+    step_dir = resume_step_dir(cfg.training.load, cfg.training.save)
+    if step_dir is None:
+        return None
     try:
-        step_dir = find_checkpoint(root) if root is not None else None
-        if step_dir is None:
-            return None
         return step_dir, json.loads((step_dir / MANIFEST).read_text())["config"]["training"]
-    except (CheckpointError, OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError):
         return None  # loading reports what is wrong with it
 
 

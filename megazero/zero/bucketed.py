@@ -387,16 +387,20 @@ class BucketedParams:
         else:
             work.wait()
 
+    def _drain_staged(self) -> None:
+        """Stage 2: flush the filed gradients, reduce the buckets filled only partly, wait for every reduction."""
+        self._flush_all()
+        for b in sorted(self._open):
+            self._launch_staged(b)
+        while self._inflight:
+            self._wait_oldest()
+
     def finish_backward(self) -> None:
         """End of one backward pass: flush every bucket's filed gradients. Stage 2: reduce the buckets this
         pass filled only partly, wait for every reduction. Stages 0-1, last pass of a group: start the
         reductions of that group's remaining buckets."""
         if self.grad_flat is None:
-            self._flush_all()
-            for b in sorted(self._open):
-                self._launch_staged(b)
-            while self._inflight:
-                self._wait_oldest()
+            self._drain_staged()
         else:
             self._flush_all()
             if self.micro_batches is not None:
@@ -411,11 +415,7 @@ class BucketedParams:
         """At the accumulation boundary. Stages 0-1: reduce the buckets not reduced yet, wait for all. Stage 2:
         zero the owned slices no gradient reached this step."""
         if self.grad_flat is None:
-            self._flush_all()  # gradients of a backward run without finish_backward
-            for b in sorted(self._open):
-                self._launch_staged(b)
-            while self._inflight:
-                self._wait_oldest()
+            self._drain_staged()  # also the gradients of a backward run without finish_backward
             for b, written in enumerate(self._owned_written):
                 if not written:
                     self.segments[b].grad.zero_()
