@@ -314,6 +314,11 @@ def test_the_planner_ranks_zeropp_settings_on_two_nodes_at_100_gbps() -> None:
     assert pp.node_inter_bytes / psi == pytest.approx(1 + 4 / 256 + 0.5 + 4 / 128)  # INT8 + INT4, scales included
     assert ranked["hpz"].extra_bytes == pytest.approx(2 * psi / 8)  # the secondary copy over the node's 8 ranks
     assert pp.plan.time.dp_comm < z3.plan.time.dp_comm / 4
+    # fp32: 4-byte weights and gradients, the same Ψ: the quantized bytes stay, the 16-bit ones double
+    f32 = {z.name: z for z in rank_zeropp(model_preset("gpt2-1.3b"), lay, 32, c, precision="fp32")}
+    assert f32["zero3"].inter_bytes == pytest.approx(12 * psi)
+    assert f32["hpz+qwz+qgz"].node_inter_bytes == pytest.approx(pp.node_inter_bytes)
+    assert f32["hpz"].extra_bytes == pytest.approx(4 * psi / 8)
 
 
 def test_the_dry_run_shows_zero_bytes_per_link() -> None:
