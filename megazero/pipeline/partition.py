@@ -2,13 +2,17 @@
 
 With ``pp`` ranks and ``V`` model chunks per rank there are ``pp * V`` virtual stages; chunk ``c`` of pipeline
 rank ``r`` is virtual stage ``c * pp + r`` (Megatron-LM's interleaving), so consecutive virtual stages sit
-on consecutive ranks and activations always travel to rank ``(r + 1) % pp``. The first virtual stage also
-holds the embeddings, the last the final LayerNorm and the (tied) LM head.
+on consecutive ranks and activations always travel to rank ``(r + 1) % pp``. The ``zbv`` schedule places its
+two chunks per rank in a V instead (chunk 0 is stage ``r``, chunk 1 stage ``2 pp - 1 - r``:
+:func:`~megazero.pipeline.schedules.virtual_stage`), so rank 0 holds both the first and the last stage. The
+first virtual stage also holds the embeddings, the last the final LayerNorm and the (tied) LM head.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from megazero.pipeline.schedules import virtual_stage
 
 __all__ = ["StageSpec", "PipelineLayoutError", "partition_layers", "stage_specs"]
 
@@ -58,11 +62,11 @@ def partition_layers(num_layers: int, num_stages: int, layout: list[int] | None 
 
 
 def stage_specs(num_layers: int, pp_size: int, pp_rank: int, virtual_stages: int = 1,
-                layout: list[int] | None = None) -> list[StageSpec]:
-    """The model chunks pipeline rank ``pp_rank`` holds, in chunk order."""
+                layout: list[int] | None = None, schedule: str = "") -> list[StageSpec]:
+    """The model chunks pipeline rank ``pp_rank`` holds, in chunk order (``schedule`` "zbv": the V layout)."""
     total = pp_size * virtual_stages
     ranges = partition_layers(num_layers, total, layout)
     return [
         StageSpec(virtual_stage=v, layers=ranges[v], pre_process=v == 0, post_process=v == total - 1)
-        for v in (c * pp_size + pp_rank for c in range(virtual_stages))
+        for v in (virtual_stage(schedule, pp_size, pp_rank, c) for c in range(virtual_stages))
     ]
