@@ -50,6 +50,36 @@ def _check(results, runs, references, what: str) -> None:
             raise AssertionError(f"{what} {flags}: {e}") from None
 
 
+# -- configuration: zbv's two chunks per rank ----------------------------------------------------------------
+def test_zbv_config_runs_two_chunks_in_a_v():
+    """--pp-schedule zbv takes --virtual-stages 1 (left out) or 2 and runs 2 chunks per rank whatever it says;
+    it needs 2 pp layers, a 2 pp-entry --pp-layout, and no --compile; the recipe gives rank r the chunks of
+    virtual stages r and 2 pp - 1 - r (the first and the last stage on rank 0)."""
+    from types import SimpleNamespace
+
+    from megazero.config.errors import ConfigError
+    from megazero.train.recipe import split_for_pp
+
+    base = ["--pp", "2", "--pp-schedule", "zbv", "--num-layers", "4"]
+    for extra in ([], ["--virtual-stages", "2"], ["--pp-layout", "1,1,1,1"]):
+        cfg = parse_args([*base, *extra]).resolve(2)
+        layers = []
+        for r in range(2):
+            schedule, v, specs = split_for_pp(cfg, SimpleNamespace(pp_enabled=True, pp_size=2, pp_rank=r))
+            assert (schedule, v, [s.virtual_stage for s in specs]) == ("zbv", 2, [r, 3 - r])
+            layers.append([list(s.layers) for s in specs])
+        assert layers == [[[0], [3]], [[1], [2]]]
+        assert [(s.pre_process, s.post_process) for s in split_for_pp(
+            cfg, SimpleNamespace(pp_enabled=True, pp_size=2, pp_rank=0))[2]] == [(True, False), (False, True)]
+    for extra, match in ((["--virtual-stages", "3"], "--pp-schedule zbv runs 2 model chunks.*--virtual-stages 3"),
+                         (["--num-layers", "3"], "--num-layers 3 is fewer than the 4 pipeline chunks"),
+                         (["--pp-layout", "2,2"], "--pp-layout 2,2 needs 4 entries"),
+                         (["--compile"], "--compile with --pp-schedule zbv")):
+        with pytest.raises(ConfigError, match=match):
+            parse_args([*base, *extra]).resolve(2)
+    assert parse_args([*base, "--zero-stage", "1"]).resolve(2, device_type="cuda").training.compile is False
+
+
 # -- pure: the timeline, its bubble and its transfers ------------------------------------------------------
 @pytest.mark.parametrize("pp", [2, 4])
 def test_zb_h1_timeline_is_complete_and_ordered(pp):

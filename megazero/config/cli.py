@@ -91,8 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
         "ring, memory 1/cp) or allgather (K/V gathered per layer)", choices=CP_ATTENTION_MODES)
     add(g, "--sequence-parallel", "parallel.sequence_parallel", "shard LayerNorm/dropout activations over TP",
         action="store_const", const=True)
-    add(g, "--pp-schedule", "parallel.pp_schedule", "pipeline schedule", choices=PP_SCHEDULES)
-    add(g, "--virtual-stages", "parallel.virtual_stages", "model chunks per rank (interleaved schedule)",
+    add(g, "--pp-schedule", "parallel.pp_schedule", "pipeline schedule; zb-h1 and zbv split the backward into "
+        "input and weight gradients (zero bubble), zbv on 2 chunks per rank in a V (rank r: stages r and 2pp-1-r); "
+        "neither with --compile", choices=PP_SCHEDULES)
+    add(g, "--virtual-stages", "parallel.virtual_stages", "model chunks per rank (interleaved schedule; zbv "
+        "always runs 2)",
         type=int)
     add(g, "--pp-layout", "parallel.pp_layout", "layers per (virtual) pipeline stage, e.g. 3,3,2; None: balanced",
         type=_int_list, metavar="N,N,...")

@@ -31,6 +31,7 @@ __all__ = [
     "SCHEDULES",
     "WANDB_MODES",
     "WARMUP_TYPES",
+    "chunks_per_rank",
     "resolve_config",
 ]
 
@@ -38,7 +39,8 @@ Cfg = TypeVar("Cfg")  # a megazero.config.schema.Config
 
 # Choices shared by the command line (megazero.config.cli) and validation
 ARCHS = ("gpt2", "llama")  # the model families (ModelConfig.arch)
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # zb-h1: zero-bubble, split backward (pipeline/)
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")  # zb-h1, zbv: zero-bubble, split backward
+# (pipeline/); zbv runs two model chunks per rank in a V (chunks_per_rank)
 CP_ATTENTION_MODES = ("ring", "allgather")  # megazero.context_parallel's modes (a test holds them equal)
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "adamw")
@@ -47,6 +49,15 @@ WARMUP_TYPES = ("linear", "log")
 CHECKPOINTING_MODES = ("none", "full", "selective")
 BACKENDS = ("gloo", "nccl")
 WANDB_MODES = ("online", "offline", "disabled")
+
+
+def chunks_per_rank(schedule: str, pp_size: int, virtual_stages: int) -> int:
+    """The model chunks each pipeline rank runs: ``--virtual-stages`` under the interleaved schedule, 2 under
+    zbv (its V: rank r holds virtual stages r and 2 pp - 1 - r, whatever ``--virtual-stages`` says), else 1;
+    always 1 without pipelining (one stage runs 1F1B's timeline)."""
+    if pp_size == 1:
+        return 1
+    return virtual_stages if schedule == "interleaved" else 2 if schedule == "zbv" else 1
 
 
 def _require(ok: bool, message: str) -> None:
@@ -107,15 +118,19 @@ def resolve_config(cfg: Cfg, world_size: int, device_type: str = "cpu") -> Cfg:
     _check_family(m, p.tp_size)
     _require(0.0 <= m.dropout < 1.0, f"--dropout must be in [0, 1), got {m.dropout}")
     _choice("--pp-schedule", p.pp_schedule, PP_SCHEDULES)
-    chunks = p.pp_size * p.virtual_stages
+    zbv = p.pp_schedule == "zbv" and p.pp_size > 1
+    _require(p.pp_schedule != "zbv" or p.virtual_stages in (1, 2), f"--pp-schedule zbv runs 2 model chunks per "
+             f"rank (a V), got --virtual-stages {p.virtual_stages}; leave --virtual-stages out or give 2")
+    chunks = p.pp_size * (chunks_per_rank("zbv", p.pp_size, 1) if p.pp_schedule == "zbv" else p.virtual_stages)
     _require(m.num_layers >= chunks, f"--num-layers {m.num_layers} is fewer than the {chunks} pipeline chunks "
-             f"(--pp {p.pp_size} x --virtual-stages {p.virtual_stages}); every chunk needs a layer, so lower "
-             f"--pp/--virtual-stages or add layers")
+             f"(--pp {p.pp_size} x {'2 (zbv)' if zbv else f'--virtual-stages {p.virtual_stages}'}); every chunk "
+             f"needs a layer, so lower --pp{'' if zbv else '/--virtual-stages'} or add layers")
     if p.pp_layout is not None:
         _require(len(p.pp_layout) == chunks and sum(p.pp_layout) == m.num_layers and min(p.pp_layout) >= 1,
                  f"--pp-layout {','.join(map(str, p.pp_layout))} needs {chunks} entries (one per pipeline chunk:"
-                 f" --pp x --virtual-stages), each >= 1, summing to --num-layers {m.num_layers}")
-    _require(p.virtual_stages == 1 or p.pp_schedule == "interleaved",
+                 f" --pp x {'2 (zbv)' if zbv else '--virtual-stages'}), each >= 1, summing to --num-layers "
+                 f"{m.num_layers}")
+    _require(p.virtual_stages == 1 or p.pp_schedule in ("interleaved", "zbv"),
              f"--virtual-stages {p.virtual_stages} needs --pp-schedule interleaved")
     _require(p.pp_schedule != "interleaved" or p.pp_size == 1 or p.virtual_stages >= 2,
              "--pp-schedule interleaved needs --virtual-stages >= 2 (use 1f1b for one chunk per rank)")

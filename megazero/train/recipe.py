@@ -32,6 +32,7 @@ from torch import nn
 from megazero.checkpoint.hf_import import hf_initializer
 from megazero.config import Config
 from megazero.config.precision import PRECISION_DTYPES
+from megazero.config.resolve import chunks_per_rank
 from megazero.distributed.context import ParallelContext
 from megazero.model.gpt import GPT, parameter_initializer
 from megazero.pipeline.p2p import PipelineP2P
@@ -59,11 +60,12 @@ class Parts:
 
 
 def split_for_pp(cfg: Config, ctx: ParallelContext) -> tuple[str, int, list[StageSpec]]:
-    """The schedule, the virtual stages per rank and the layers of each of this rank's chunks."""
+    """The schedule, the virtual stages per rank and the layers of each of this rank's chunks (zbv: two chunks
+    in a V, virtual stages r and 2 pp - 1 - r, so rank 0 holds the first and the last stage)."""
     p = cfg.parallel
     schedule = p.pp_schedule if ctx.pp_enabled else "1f1b"
-    virtual_stages = p.virtual_stages if schedule == "interleaved" else 1
-    specs = stage_specs(cfg.model.num_layers, ctx.pp_size, ctx.pp_rank, virtual_stages, p.pp_layout)
+    virtual_stages = chunks_per_rank(schedule, ctx.pp_size, p.virtual_stages)
+    specs = stage_specs(cfg.model.num_layers, ctx.pp_size, ctx.pp_rank, virtual_stages, p.pp_layout, schedule)
     return schedule, virtual_stages, specs
 
 
