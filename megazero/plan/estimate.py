@@ -211,9 +211,10 @@ def weight_stash_bytes(model: ModelConfig, micro_batch: int, *, tp_size: int = 1
     e, t = ELEMENT_BYTES[precision], tp_size
     sp = t if sequence_parallel and t > 1 else 1
     s, b, h, f = model.seq_len, micro_batch, model.hidden_size, model.ffn_hidden_size
-    qkv = h + 2 * model.kv_heads * (h // model.num_heads)
+    # this rank's q, k, v rows: its query heads and its K/V heads (one, shared by tp / kv ranks, when tp > kv)
+    qkv = h / t + 2 * max(model.kv_heads // t, 1) * model.head_dim
     up = 2 * f if model.arch == "llama" else f  # SwiGLU's gate|up GEMM
-    per_token = (h / sp + qkv / t) + (h / t + h) + (h / sp + up / t) + (f / t + h)
+    per_token = (h / sp + qkv) + (h / t + h) + (h / sp + up / t) + (f / t + h)
     out = layers * per_token * s * b
     if first_stage:
         out += s * b * h + (0 if model.arch == "llama" else s * h)

@@ -270,15 +270,21 @@ def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group | N
 class _SumSharedRowsGrad(torch.autograd.Function):
     """Identity on a column-parallel weight (or bias) whose rows from ``start`` on are shared by the ranks of
     ``group`` (K/V heads replicated over TP ranks); backward sums those rows' gradient over ``group`` (in place,
-    on the gradient this layer alone produced), as :func:`copy_to_tp_region` sums an input's gradient."""
+    on the gradient this layer alone produced), as :func:`copy_to_tp_region` sums an input's gradient.
+
+    Gradients are not materialised: in a zero-bubble B pass the layer defers its weight gradient and hands back
+    None, and then the sum is not run either (it runs in W, on the gradient W produces)."""
 
     @staticmethod
     def forward(ctx, t: torch.Tensor, start: int, group: Group) -> torch.Tensor:
         ctx.start, ctx.group = start, group
+        ctx.set_materialize_grads(False)
         return t.view_as(t)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad: torch.Tensor | None):
+        if grad is None:  # the weight gradient was deferred to W (or this rank has none): nothing to sum now
+            return None, None, None
         grad = grad.contiguous()
         ctx.group.all_reduce(grad[ctx.start:], tag="kv_grad")  # dim 0's tail: one contiguous run
         return grad, None, None
@@ -286,5 +292,14 @@ class _SumSharedRowsGrad(torch.autograd.Function):
 
 @torch.compiler.disable
 def sum_shared_rows_grad(t: torch.Tensor, start: int, group: Group) -> torch.Tensor:
-    """``t`` itself, its rows ``start:`` gradient summed over ``group`` in backward; eager under torch.compile."""
-    return _SumSharedRowsGrad.apply(t, start, group)
+    """``t`` itself, its rows ``start:`` gradient summed over ``group`` in backward; eager under torch.compile.
+
+    On a split-backward rank (``t.wgrad_store``, :mod:`.weight_grad`) the output carries the store, so the
+    layer that consumes it still defers its weight GEMM to W, and ``wgrad_leaf`` = ``t``, so W orders it by
+    its parameter; W then hands its gradient to this output, whose backward (the sum, then ``t``'s
+    accumulation) runs in W too."""
+    out = _SumSharedRowsGrad.apply(t, start, group)
+    store = getattr(t, "wgrad_store", None)
+    if store is not None:
+        out.wgrad_store, out.wgrad_leaf = store, getattr(t, "wgrad_leaf", t)
+    return out

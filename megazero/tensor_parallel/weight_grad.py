@@ -129,7 +129,9 @@ def input_gradients(store: WeightGradStore, output: torch.Tensor | GradientEdge,
 
 def weight_gradients(work: WeightWork, order: Sequence[nn.Parameter]) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
     """W: ``(parameter, gradient)`` for every parameter ``work`` holds a gradient for, in ``order`` (then any
-    other), each the sum of its deferred pieces and the gradient B kept. The closures run lazily, one parameter
+    other), each the sum of its deferred pieces and the gradient B kept. A "parameter" may be a view that stands
+    for one (``wgrad_leaf``: K/V rows shared by TP ranks, :func:`~.mappings.sum_shared_rows_grad`); it comes at
+    its leaf's place, and autograd takes its gradient through the view's backward to the leaf. The closures run lazily, one parameter
     after another, and each closure's result is dropped once consumed, so at most one closure's gradients and
     the running sum are alive beside what the caller holds."""
     pending: dict[int, list[int]] = {}  # parameter id -> indices of deferred entries producing it
@@ -144,9 +146,10 @@ def weight_gradients(work: WeightWork, order: Sequence[nn.Parameter]) -> Iterato
         by_id[id(p)] = p
     for ps, _ in work.deferred:
         by_id.update((id(p), p) for p in ps if p is not None)
-    ranked = [id(p) for p in order if id(p) in by_id]
-    listed = set(ranked)
-    ranked += [k for k in by_id if k not in listed]
+    # by the leaf's place in ``order``: a view standing for a parameter (``wgrad_leaf``, mappings.
+    # sum_shared_rows_grad) takes its parameter's place; the others follow in the order they came
+    place = {id(p): i for i, p in enumerate(order)}
+    ranked = sorted(by_id, key=lambda k: place.get(id(getattr(by_id[k], "wgrad_leaf", by_id[k])), len(place)))
     results: dict[int, Sequence[torch.Tensor | None]] = {}  # closures evaluated, waiting for their other params
     for key in ranked:
         total: torch.Tensor | None = None
