@@ -26,6 +26,7 @@ from tests.reference import LLAMA, RefSpec, run_reference
 
 PP_MODEL = ["--num-layers", "8"]
 ZB = ["--pp-schedule", "zb-h1"]
+ZBV = ["--pp-schedule", "zbv"]
 LLAMA_FLAGS = ["--arch", "llama", "--num-layers", str(LLAMA.num_layers), "--num-kv-heads", str(LLAMA.num_kv_heads),
                "--ffn-hidden-size", str(LLAMA.ffn_size), "--train-steps", str(LLAMA.train_steps)]
 TINY = ["--vocab-size", "512", "--seq-len", "32", "--hidden-size", "64", "--num-heads", "4"]
@@ -141,25 +142,33 @@ PP2_RUNS = [  # (reference, flags): m = 1, 2p + 1, 8 (full recompute), 4 (select
 ]
 
 
-def test_zb_h1_pp2_matches_single_process(references, data_cache, tmp_path):
-    """pp 2: m = 1, 5 (2p + 1), 8 with full recompute, 4 with selective recompute, and Llama (RMSNorm, rotary,
-    SwiGLU, GQA, untied head) at m = 4: losses, evaluation and weights equal one process."""
+def test_zb_h1_and_zbv_pp2_match_single_process(references, data_cache, tmp_path):
+    """pp 2, zb-h1: m = 1, 5 (2p + 1), 8 with full recompute, 4 with selective recompute, and Llama (RMSNorm,
+    rotary, SwiGLU, GQA, untied head) at m = 4; zbv (rank 0 holds the first and the last stage, the tied
+    embedding's two copies summed there): m = 5 with full recompute, 1, and Llama at m = 4 with selective
+    recompute: losses, evaluation and weights equal one process."""
     runs = [(k, [*PP_MODEL, "--pp", "2", *ZB, *f]) for k, f in PP2_RUNS]
     runs.append(("llama", ["--pp", "2", *ZB, *LLAMA_FLAGS, "--micro-batch-size", "2", "--global-batch-size", "8"]))
+    runs += [((5, 10), [*PP_MODEL, "--pp", "2", *ZBV, "--micro-batch-size", "1", "--global-batch-size", "5",
+                        "--activation-checkpointing", "full"]),
+             ((8, 10), [*PP_MODEL, "--pp", "2", *ZBV, "--micro-batch-size", "8", "--global-batch-size", "8"]),
+             ("llama", ["--pp", "2", *ZBV, *LLAMA_FLAGS, "--micro-batch-size", "2", "--global-batch-size", "8",
+                        "--activation-checkpointing", "selective"])]
     _check(run_world(train_eval_runs, 2, [f for _, f in runs], data_cache, str(tmp_path), pp=2), runs, references,
            "pp 2")
 
 
-def test_zb_h1_pp4_matches_single_process(references, data_cache, tmp_path):
+def test_zb_h1_and_zbv_pp4_match_single_process(references, data_cache, tmp_path):
     runs = [((8, 10), [*PP_MODEL, "--pp", "4", *ZB, "--micro-batch-size", "2", "--global-batch-size", "8"]),
-            ((9, 10), [*PP_MODEL, "--pp", "4", *ZB, "--micro-batch-size", "1", "--global-batch-size", "9"])]
+            ((9, 10), [*PP_MODEL, "--pp", "4", *ZB, "--micro-batch-size", "1", "--global-batch-size", "9"]),
+            ((9, 10), [*PP_MODEL, "--pp", "4", *ZBV, "--micro-batch-size", "1", "--global-batch-size", "9"])]
     _check(run_world(train_eval_runs, 4, [f for _, f in runs], data_cache, str(tmp_path), pp=4), runs, references,
            "pp 4")
 
 
 def test_zb_h1_with_tensor_sequence_and_data_parallel_at_every_zero_stage(references, data_cache, tmp_path):
     """8 ranks, pp 2 x tp 2 x dp 2, four steps: ZeRO 1 and 2 with sequence parallelism (the SP all-gather of a
-    linear's input moves to W), ZeRO 3 (B gathers the blocks, W gathers nothing). ZeRO 3 with --overlap-comm:
+    linear's input moves to W), ZeRO 3 (B gathers the blocks, W gathers nothing); zbv at ZeRO 1 with SP. ZeRO 3 with --overlap-comm:
     test_zero_reduces_in_w_and_gathers_only_in_f_and_b (pp 2 x dp 2)."""
     cuda = parse_args([*PP_MODEL, "--pp", "2", *ZB, "--zero-stage", "3"]).resolve(2, device_type="cuda")
     assert cuda.zero.overlap_comm is True  # overlap is the CUDA default for zb-h1 at stage 3 as for the others
@@ -167,17 +176,21 @@ def test_zb_h1_with_tensor_sequence_and_data_parallel_at_every_zero_stage(refere
             "--global-batch-size", "8"]
     runs = [((8, 4), [*base, "--zero-stage", "1", "--sequence-parallel"]),
             ((8, 4), [*base, "--zero-stage", "2", "--sequence-parallel", "--activation-checkpointing", "selective"]),
-            ((8, 4), [*base, "--zero-stage", "3"])]
+            ((8, 4), [*base, "--zero-stage", "3"]),
+            ((8, 4), [*base, *ZBV, "--zero-stage", "1", "--sequence-parallel"])]  # the last --pp-schedule wins
     _check(run_world(train_eval_runs, 8, [f for _, f in runs], data_cache, str(tmp_path), pp=2, tp=2), runs,
            references, "pp2 tp2 dp2")
 
 
 def test_zb_h1_with_context_parallel(references, data_cache, tmp_path):
-    """cp 2 x pp 2 (ring attention's own autograd Function inside B): GPT-2 and Llama."""
+    """cp 2 x pp 2 (ring attention's own autograd Function inside B): GPT-2 and Llama under zb-h1, GPT-2 under
+    zbv."""
     runs = [((8, 10), [*PP_MODEL, "--pp", "2", "--cp", "2", *ZB, "--micro-batch-size", "2",
                        "--global-batch-size", "8"]),
             ("llama", ["--pp", "2", "--cp", "2", *ZB, *LLAMA_FLAGS, "--micro-batch-size", "4",
-                       "--global-batch-size", "8", "--zero-stage", "2"])]
+                       "--global-batch-size", "8", "--zero-stage", "2"]),
+            ((8, 10), [*PP_MODEL, "--pp", "2", "--cp", "2", *ZBV, "--micro-batch-size", "2",
+                       "--global-batch-size", "8"])]
     _check(run_world(train_eval_runs, 4, [f for _, f in runs], data_cache, str(tmp_path), pp=2, cp=2), runs,
            references, "cp 2 x pp 2")
 
@@ -245,6 +258,9 @@ def _zero_phases(ctx, cache: str, m: int, log_dir: str, parity: list[list[str]])
 # the default stage3_param_persistence_threshold) must be waited for when W reaches no gathered unit
 ZB3_OVERLAP = [*PP_MODEL, "--pp", "2", "--dp", "2", *ZB, "--zero-stage", "3", "--overlap-comm", "--train-steps", "4",
                "--micro-batch-size", "1", "--global-batch-size", "6"]
+ZBV_DP = [[*PP_MODEL, "--pp", "2", "--dp", "2", *ZBV, "--zero-stage", str(stage), "--train-steps", "4",
+           "--micro-batch-size", "1", "--global-batch-size", "6", *extra]
+          for stage, extra in ((1, []), (2, ["--activation-checkpointing", "selective"]), (3, []))]
 
 
 def test_zero_reduces_in_w_and_gathers_only_in_f_and_b(references, data_cache, tmp_path):
@@ -253,10 +269,12 @@ def test_zero_reduces_in_w_and_gathers_only_in_f_and_b(references, data_cache, t
     parameter is gathered during W (``dW = g^T x``), stage 3 gathers during B. The DP volume per step equals
     1F1B's (stage 3: 3mΨ). A non-finite gradient in the step's last W (one rank) skips the step on every rank
     and leaves the weights as they were. In the same world, ZeRO 3 with --overlap-comm trains 4 steps as one
-    process does (fp32 1e-5; without the persistent parameters' wait in W: 5e-3 off from step 2 on)."""
+    process does (fp32 1e-5; without the persistent parameters' wait in W: 5e-3 off from step 2 on), and so
+    does zbv at ZeRO 1, 2 (selective recompute) and 3."""
     m = 3
-    worlds = run_world(_zero_phases, 4, data_cache, m, str(tmp_path), [ZB3_OVERLAP], pp=2)
-    _check([w[3] for w in worlds], [((6, 4), ZB3_OVERLAP)], references, "pp2 dp2 ZeRO 3 overlap")
+    worlds = run_world(_zero_phases, 4, data_cache, m, str(tmp_path), [ZB3_OVERLAP, *ZBV_DP], pp=2)
+    _check([w[3] for w in worlds], [((6, 4), f) for f in (ZB3_OVERLAP, *ZBV_DP)], references,
+           "pp2 dp2 ZeRO 3 overlap / zbv at ZeRO 1-3")
     for out, skipped, unchanged, _ in worlds:
         for stage, (phases, zb, one) in out.items():
             b = [p for p in phases if p[0] == "B"]

@@ -22,7 +22,7 @@ gradients kept for the weight GEMMs, kept gradients of the small parameters) cou
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Protocol
@@ -67,8 +67,9 @@ class PipelineExecutor:
     """Executes schedule timelines over this rank's model chunks."""
 
     def __init__(self, chunks: list[nn.Module], specs: list[StageSpec], p2p: PipelineP2P | None,
-                 pp_rank: int, pp_size: int, device: torch.device, split: bool = False) -> None:
+                 pp_rank: int, pp_size: int, device: torch.device, split: bool = False, schedule: str = "") -> None:
         self.chunks = chunks
+        self.schedule = schedule  # names the placement of virtual stages (schedules.virtual_stage; "zbv": the V)
         # split backward: the chunks' parameters lead their Functions to the store; W accumulates in the order
         # an ordinary backward would (reverse registration: ZeRO's buckets and units)
         self.wgrad = WeightGradStore() if split else None
@@ -85,19 +86,23 @@ class PipelineExecutor:
 
     def run(self, actions: list[Action], micro_batches: list[MicroBatch], loss_divisor: torch.Tensor | float,
             backward: BackwardFn | None, units: list[list[int]] | None = None, measure: bool = True,
-            split: SplitBackward | None = None) -> RunStats:
+            split: SplitBackward | None = None, ticks: Mapping[tuple[str, int, int], int] | None = None) -> RunStats:
         """Run ``actions``, communicating between the ``units`` of actions as
         :func:`~megazero.pipeline.p2p.transfer_plan` says (default: between every two actions).
 
         ``backward`` None runs the forwards only (evaluation, no graph kept), in the schedule's order, each
         forward its own unit. ``measure`` counts the saved activations (module docstring). ``split`` runs the
-        B and W actions of a split-backward executor (module docstring)."""
+        B and W actions of a split-backward executor (module docstring). ``ticks`` (zbv) groups the transfers
+        by the list scheduler's ticks instead of ``units`` (:func:`~megazero.pipeline.p2p.transfer_plan`), also
+        for the forwards only. A transfer to this rank itself (zbv's turn at rank p - 1) goes from the outbox
+        straight to the inbox."""
         if backward is not None and (self.wgrad is not None) != (split is not None):
             raise ValueError("a split-backward executor runs B and W through split=, and only it")
         v = len(self.chunks)
         if backward is None:
             actions, units = forward_actions(actions), None
-        plan = transfer_plan(actions, self.pp_rank, self.pp_size, v, units=units)
+        plan = transfer_plan(actions, self.pp_rank, self.pp_size, v, units=units, schedule=self.schedule,
+                             ticks=ticks)
         if isinstance(loss_divisor, torch.Tensor):  # the per-token loss is fp32: divide in fp32, on the device
             loss_divisor = loss_divisor.to(self.device, torch.float32)
         stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor | GradientEdge, int]] = {}
@@ -110,7 +115,8 @@ class PipelineExecutor:
         for a, calls in zip(actions, plan):
             for call in calls:
                 inbox.update(self.p2p.exchange(call, outbox))
-            recv, send = action_transfers(a, self.pp_rank, self.pp_size, v)
+            recv, send = action_transfers(a, self.pp_rank, self.pp_size, v, self.schedule)
+            sent = inbox if send is not None and send.peer == self.pp_rank else outbox  # local: handed over
             spec, chunk = self.specs[a.chunk], self.chunks[a.chunk]
             if a.kind == "F":
                 x, y = micro_batches[a.micro_batch]
@@ -130,7 +136,7 @@ class PipelineExecutor:
                     loss_sum += out.detach().double().sum()
                     out = out.sum() / loss_divisor
                 else:
-                    outbox[send.key] = out.detach()  # the only reference to the data once sent
+                    sent[send.key] = out.detach()  # the only reference to the data once sent
                     if backward is not None:
                         out = get_gradient_edge(out)  # keep the autograd node, drop the tensor
                 if backward is not None:
@@ -151,7 +157,7 @@ class PipelineExecutor:
                     backward(out, grad)
                     grad_in = inp.grad if inp is not None else None
                 if send is not None:
-                    outbox[send.key] = grad_in
+                    sent[send.key] = grad_in
                 del out, grad, inp
                 live -= 1 / v
                 live_bytes -= nbytes

@@ -23,15 +23,15 @@ would deliver every message where it belongs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from megazero.distributed.group import Group
-from megazero.pipeline.schedules import Action
+from megazero.pipeline.schedules import Action, virtual_stage
 
-__all__ = ["PipelineP2P", "Transfer", "action_transfers", "forward_actions", "transfer_plan"]
+__all__ = ["PipelineP2P", "Transfer", "action_transfers", "forward_actions", "stage_holder", "transfer_plan"]
 
 
 @dataclass(frozen=True)
@@ -54,28 +54,40 @@ def forward_actions(actions: Sequence[Action]) -> list[Action]:
     return [a for a in actions if a.kind == "F"]
 
 
-def action_transfers(a: Action, pp_rank: int, pp_size: int,
-                     virtual_stages: int) -> tuple[Transfer | None, Transfer | None]:
+def stage_holder(schedule: str, pp_size: int, virtual_stages: int, stage: int) -> tuple[int, int]:
+    """(pipeline rank, model chunk) that runs virtual stage ``stage``: the inverse of
+    :func:`~megazero.pipeline.schedules.virtual_stage`."""
+    for rank in range(pp_size):
+        for chunk in range(virtual_stages):
+            if virtual_stage(schedule, pp_size, rank, chunk) == stage:
+                return rank, chunk
+    raise ValueError(f"no rank runs virtual stage {stage} of {pp_size} x {virtual_stages} under {schedule!r}")
+
+
+def action_transfers(a: Action, pp_rank: int, pp_size: int, virtual_stages: int,
+                     schedule: str = "") -> tuple[Transfer | None, Transfer | None]:
     """(the receive action ``a`` needs before it runs, the send it produces) on rank ``pp_rank``; a W
-    (the weight-gradient half of a split backward) has neither."""
+    (the weight-gradient half of a split backward) has neither. A transfer whose ``peer`` is ``pp_rank`` itself
+    is local: two consecutive virtual stages on one rank (zbv's turn at rank p - 1, chunk 0 -> chunk 1, and its
+    gradient back), handed over in process by the executor and left out of :func:`transfer_plan`."""
     if a.kind == "W":
         return None, None
-    vs, last = a.chunk * pp_size + pp_rank, pp_size * virtual_stages - 1
-    nxt, prv = (pp_rank + 1) % pp_size, (pp_rank - 1) % pp_size
-    next_chunk = a.chunk + (1 if pp_rank == pp_size - 1 else 0)
-    prev_chunk = a.chunk - (1 if pp_rank == 0 else 0)
+    vs, last = virtual_stage(schedule, pp_size, pp_rank, a.chunk), pp_size * virtual_stages - 1
+    nxt = stage_holder(schedule, pp_size, virtual_stages, vs + 1) if vs < last else None
+    prv = stage_holder(schedule, pp_size, virtual_stages, vs - 1) if vs > 0 else None
     if a.kind == "F":
-        recv = Transfer("recv", "F", prv, a.micro_batch, a.chunk) if vs > 0 else None
-        send = Transfer("send", "F", nxt, a.micro_batch, next_chunk) if vs < last else None
+        recv = Transfer("recv", "F", prv[0], a.micro_batch, a.chunk) if prv else None
+        send = Transfer("send", "F", nxt[0], a.micro_batch, nxt[1]) if nxt else None
     else:
-        recv = Transfer("recv", "B", nxt, a.micro_batch, a.chunk) if vs < last else None
-        send = Transfer("send", "B", prv, a.micro_batch, prev_chunk) if vs > 0 else None
+        recv = Transfer("recv", "B", nxt[0], a.micro_batch, a.chunk) if nxt else None
+        send = Transfer("send", "B", prv[0], a.micro_batch, prv[1]) if prv else None
     return recv, send
 
 
 def transfer_plan(actions: Sequence[Action], pp_rank: int, pp_size: int, virtual_stages: int = 1,
-                  units: Sequence[Sequence[int]] | None = None,
-                  paired: bool = True) -> list[list[list[Transfer]]]:
+                  units: Sequence[Sequence[int]] | None = None, paired: bool = True,
+                  schedule: str = "", ticks: Mapping[tuple[str, int, int], int] | None = None
+                  ) -> list[list[list[Transfer]]]:
     """The batched point-to-point calls of one rank's timeline.
 
     ``units`` splits the action indices into consecutive runs that compute without communicating in between
@@ -85,17 +97,26 @@ def transfer_plan(actions: Sequence[Action], pp_rank: int, pp_size: int, virtual
     list of transfers issued together. With ``paired`` (the default) there is one call before each unit: the
     sends the previous unit produced together with the receives this unit needs. ``paired=False``
     reproduces the old order (every send its own call right after its action, every receive its own call
-    right before), which deadlocks under NCCL; it is kept for the replay tests' negative case.
+    right before), which deadlocks under NCCL; it is kept for the replay tests' negative case. ``schedule``
+    names the placement of virtual stages (:func:`~megazero.pipeline.schedules.virtual_stage`: "zbv" for the
+    V); local transfers (:func:`action_transfers`) are left out. ``ticks`` (zbv:
+    :func:`~megazero.pipeline.schedules.transfer_ticks`, every rank's start tick per (kind, micro-batch, virtual
+    stage)) replaces ``units``: one call per tick in which this rank sends or receives, holding the sends of its
+    action of that tick and the receives of what its neighbours produced in it, made before this rank's first
+    action of a later tick.
     """
     slots: list[list[list[Transfer]]] = [[] for _ in range(len(actions) + 1)]
     if pp_size == 1:
         return slots
-    io = [action_transfers(a, pp_rank, pp_size, virtual_stages) for a in actions]
+    io = [tuple(t if t is not None and t.peer != pp_rank else None  # local hand-overs: no call
+                for t in action_transfers(a, pp_rank, pp_size, virtual_stages, schedule)) for a in actions]
     if not paired:
         for i, (recv, send) in enumerate(io):
             slots[i] += [[recv]] if recv is not None else []
             slots[i + 1] += [[send]] if send is not None else []
         return slots
+    if ticks is not None:
+        return _tick_plan(actions, io, pp_rank, pp_size, schedule, ticks, slots)
     units = [[i] for i in range(len(actions))] if units is None else units
     if [i for u in units for i in u] != list(range(len(actions))):
         raise ValueError(f"transfer units {units} do not cover the {len(actions)} actions in order")
@@ -107,6 +128,24 @@ def transfer_plan(actions: Sequence[Action], pp_rank: int, pp_size: int, virtual
         pending = [io[i][1] for i in unit if io[i][1] is not None]
     if pending:
         slots[-1].append(pending)
+    return slots
+
+
+def _tick_plan(actions: Sequence[Action], io: Sequence[tuple[Transfer | None, Transfer | None]], pp_rank: int,
+               pp_size: int, schedule: str, ticks: Mapping[tuple[str, int, int], int],
+               slots: list[list[list[Transfer]]]) -> list[list[list[Transfer]]]:
+    """:func:`transfer_plan` by ticks: every transfer in the call of its producer's tick."""
+    vs = [virtual_stage(schedule, pp_size, pp_rank, a.chunk) for a in actions]
+    at = [ticks[(a.kind, a.micro_batch, s)] for a, s in zip(actions, vs)]
+    calls: dict[int, list[Transfer]] = {}
+    for a, s, t, (recv, send) in zip(actions, vs, at, io):
+        if send is not None:
+            calls.setdefault(t, []).append(send)
+        if recv is not None:  # produced by the neighbouring virtual stage's F (forward) or B (backward)
+            calls.setdefault(ticks[(a.kind, a.micro_batch, s - 1 if a.kind == "F" else s + 1)], []).append(recv)
+    for t in sorted(calls):
+        slot = next((i for i, u in enumerate(at) if u > t), len(actions))
+        slots[slot].append(calls[t])
     return slots
 
 

@@ -30,7 +30,7 @@ import functools
 from dataclasses import dataclass
 
 __all__ = ["SCHEDULES", "SPLIT_SCHEDULES", "Action", "ScheduleError", "SimResult", "build_schedule", "simulate",
-           "transfer_units", "virtual_stage"]
+           "transfer_ticks", "transfer_units", "virtual_stage"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
 SPLIT_SCHEDULES = ("zb-h1", "zbv")  # their backward is split into B (input gradient) and W (weight gradients)
@@ -56,10 +56,33 @@ def virtual_stage(name: str, pp: int, rank: int, chunk: int) -> int:
     return chunk * pp + rank
 
 
-@functools.lru_cache(maxsize=256)
 def _zero_bubble(name: str, pp: int, m: int) -> tuple[tuple[Action, ...], ...]:
     """Every rank's timeline of a zero-bubble schedule, placed by a list scheduler in unit time (module
     docstring). Pure and deterministic: every rank computes the same plan and takes its own row."""
+    return _zero_bubble_plan(name, pp, m)[0]
+
+
+def transfer_ticks(name: str, pp: int, micro_batches: int) -> dict[tuple[str, int, int], int] | None:
+    """For ``zbv``: the unit-time tick at which the list scheduler starts each action, keyed by (kind,
+    micro-batch, virtual stage), for every rank; None for the other schedules.
+
+    zbv's transfers are grouped by tick (:func:`~megazero.pipeline.p2p.transfer_plan`): after tick t every rank
+    sends what it produced in t and receives what its neighbours produced in t, in one batched call. Per-action
+    pairing (the receive posted just before the action that needs it) fails there under NCCL's order-based
+    matching: in the V a link carries forwards of chunk 0 and gradients of chunk 1 both ways, and the receiver
+    consumes them in another order than the sender produces them (the replay shows misdelivered messages and a
+    deadlock from pp 2, m 3 on). Each link carries at most one message per direction per tick, and every rank's
+    calls follow the tick order, so the k-th send always meets the k-th receive and no call waits on a later one.
+    """
+    if name != "zbv" or pp == 1:
+        return None
+    return dict(_zero_bubble_plan(name, pp, micro_batches)[1])
+
+
+@functools.lru_cache(maxsize=256)
+def _zero_bubble_plan(name: str, pp: int, m: int
+                      ) -> tuple[tuple[tuple[Action, ...], ...], tuple[tuple[tuple[str, int, int], int], ...]]:
+    """(every rank's timeline, the start tick of each (kind, micro-batch, virtual stage)): :func:`_zero_bubble`."""
     v = 2 if name == "zbv" else 1
     n = pp * v
     rank_of, chunk_of = {}, {}
@@ -71,6 +94,7 @@ def _zero_bubble(name: str, pp: int, m: int) -> tuple[tuple[Action, ...], ...]:
     in_fb, in_fw = ((lambda r: 2 * pp), (lambda r: 2 * pp)) if v == 2 else (
         (lambda r: pp - r), (lambda r: min(pp + 1, pp - r + W_SLACK)))
     done: dict[tuple[str, int, int], int] = {}
+    start: dict[tuple[str, int, int], int] = {}
     next_f, next_b = [0] * n, [0] * n
     pending_w: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
     held_fb, held_fw = [0] * pp, [0] * pp
@@ -100,12 +124,13 @@ def _zero_bubble(name: str, pp: int, m: int) -> tuple[tuple[Action, ...], ...]:
             else:
                 continue
             done[(kind, mb, vs)] = t + 1
+            start[(kind, mb, vs)] = t
             out[r].append(Action(kind, mb, chunk_of[vs]))
             left -= 1
         t += 1
         if t > 12 * m * n + 4 * n:
             raise ScheduleError(f"{name}: the list scheduler made no progress at pp={pp}, m={m}")
-    return tuple(tuple(row) for row in out)
+    return tuple(tuple(row) for row in out), tuple(start.items())
 
 
 def _gpipe(pp: int, rank: int, m: int) -> list[Action]:

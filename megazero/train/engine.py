@@ -28,7 +28,8 @@ from megazero.distributed import device_io
 from megazero.distributed.context import ParallelContext
 from megazero.model.gpt import full_state_dict
 from megazero.pipeline.executor import PipelineExecutor
-from megazero.pipeline.schedules import SPLIT_SCHEDULES, build_schedule, transfer_units
+from megazero.pipeline.p2p import stage_holder
+from megazero.pipeline.schedules import SPLIT_SCHEDULES, build_schedule, transfer_ticks, transfer_units
 from megazero.tensor_parallel import IGNORE_INDEX
 from megazero.tensor_parallel.layers import VOCAB_PAD_MULTIPLE, pad_size
 from megazero.train import recipe
@@ -65,8 +66,11 @@ class Engine:
         self.optimizer = parts.optimizer
         self.model = parts.model
         self.split_backward = self.schedule in SPLIT_SCHEDULES  # zero-bubble: B and W apart
+        # the pipeline rank that holds the last stage (the loss): p - 1, or 0 under zbv's V
+        self.loss_rank = stage_holder(self.schedule, ctx.pp_size, self.virtual_stages,
+                                      ctx.pp_size * self.virtual_stages - 1)[0]
         self.executor = PipelineExecutor(self.chunks, self.specs, parts.p2p, ctx.pp_rank, ctx.pp_size, self.device,
-                                         split=self.split_backward)
+                                         split=self.split_backward, schedule=self.schedule)
         self.activation_peak_bytes = 0  # most saved-activation bytes held at once, over all steps
         self.step = 0  # optimizer steps taken
         device_io.release_free_memory(self.device)  # construction's temporaries (device_io's docstring)
@@ -91,10 +95,10 @@ class Engine:
 
     def _global_loss(self, loss_sum: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """The token-weighted mean loss as a 0-dim device tensor: the last stage's loss sums added over DP x CP
-        ranks, then broadcast along the pipeline from the last stage (no host read)."""
+        ranks, then broadcast along the pipeline from the last stage's rank (no host read)."""
         total = loss_sum.reshape(1).clone()
         self.ctx.dp_cp_group.all_reduce(total, tag="loss")
-        self.ctx.pp_group.broadcast(total, src=self.ctx.pp_size - 1, tag="loss")
+        self.ctx.pp_group.broadcast(total, src=self.loss_rank, tag="loss")
         return total[0] / tokens
 
     @torch.no_grad()
@@ -108,10 +112,18 @@ class Engine:
             return 0.0
         world = self.ctx.world_group
         rel = torch.zeros(1, dtype=torch.float64, device=world.device)
-        for ps in self.optimizer.gathered_units(self.tied):  # ZeRO-3: the embedding's own units, one at a time
-            for w in ps:
-                first, last = self.ctx.embedding_group.all_gather_list(w.detach().double().contiguous())
-                rel = torch.maximum(rel, (last - first).norm() / first.norm().clamp_min(1e-30))
+        if self.optimizer.tied_pairs:  # zbv: both copies on pipeline rank 0, partitioned alike: compare the shards
+            sums = torch.zeros(2, dtype=torch.float64, device=world.device)  # ||E_last - E_first||^2, ||E_first||^2
+            for a, b in self.optimizer.tied_pairs:
+                first, last = a.param.detach().double(), b.param.detach().double()
+                sums += torch.stack([(last - first).square().sum(), first.square().sum()]).to(sums.device)
+            self.ctx.dp_cp_group.all_reduce(sums)  # ZeRO's shards add up to the copy (stage 0: dp copies of both)
+            rel = (sums[0] / sums[1].clamp_min(1e-60)).sqrt().reshape(1)
+        else:
+            for ps in self.optimizer.gathered_units(self.tied):  # ZeRO-3: the embedding's own units, one at a time
+                for w in ps:
+                    first, last = self.ctx.embedding_group.all_gather_list(w.detach().double().contiguous())
+                    rel = torch.maximum(rel, (last - first).norm() / first.norm().clamp_min(1e-30))
         world.all_reduce(rel, op="max")
         value = device_io.read(rel)[0]
         if value > rtol:
@@ -140,7 +152,8 @@ class Engine:
         sched = (self.schedule, self.ctx.pp_size, self.ctx.pp_rank, len(micro_batches), self.virtual_stages)
         stats = self.executor.run(build_schedule(*sched), micro_batches, tokens, opt.backward,
                                   units=transfer_units(*sched), measure=measure,
-                                  split=opt if self.split_backward else None)
+                                  split=opt if self.split_backward else None,
+                                  ticks=transfer_ticks(self.schedule, self.ctx.pp_size, len(micro_batches)))
         if stats.peak_activation_bytes is not None:
             self.activation_peak_bytes = max(self.activation_peak_bytes, stats.peak_activation_bytes)
         loss_t = self._global_loss(stats.loss_sum, tokens)
@@ -169,7 +182,8 @@ class Engine:
         # the training schedule's forwards in its order: every chunk's actions, transfers paired alike
         actions = build_schedule(self.schedule, self.ctx.pp_size, self.ctx.pp_rank, len(micro_batches),
                                  self.virtual_stages)
-        stats = self.executor.run(actions, micro_batches, tokens, backward=None)
+        stats = self.executor.run(actions, micro_batches, tokens, backward=None,
+                                  ticks=transfer_ticks(self.schedule, self.ctx.pp_size, len(micro_batches)))
         return device_io.read(self._global_loss(stats.loss_sum, tokens))[0]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

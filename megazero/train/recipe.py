@@ -90,8 +90,8 @@ def materialiser(chunks: list[GPT], cfg: Config, ctx: ParallelContext, device: t
     return parameter_initializer(chunks, cfg.training.seed, ctx.tp_group, device)
 
 
-def wrap_for_zero(chunks: list[GPT], cfg: Config, ctx: ParallelContext, param_init, device: torch.device
-                  ) -> tuple[ZeroOptimizer, nn.Module, list[nn.Parameter]]:
+def wrap_for_zero(chunks: list[GPT], cfg: Config, ctx: ParallelContext, param_init, device: torch.device,
+                  schedule: str = "1f1b") -> tuple[ZeroOptimizer, nn.Module, list[nn.Parameter]]:
     """The ZeRO optimizer over the DP x CP group, materialising ``chunks`` as it partitions them.
 
     Under context parallelism each CP rank's gradient covers its own tokens, so gradients are summed over DP x CP
@@ -101,7 +101,9 @@ def wrap_for_zero(chunks: list[GPT], cfg: Config, ctx: ParallelContext, param_in
 
     With pipelining the first and last stage each hold a copy of the tied word embedding: their gradients are
     summed over the embedding group and the last stage's copy is left out of the gradient norm (counted once).
-    An untied model (``lm_head`` on the last stage) has no copies and no embedding-group traffic.
+    An untied model (``lm_head`` on the last stage) has no copies and no embedding-group traffic. Under zbv
+    pipeline rank 0 holds both copies (the first and the last stage): the optimizer sums them in place, pairing
+    their segments (``ZeroOptimizer.tied_pairs``), and the embedding group (pp ranks 0 and p - 1) is not used.
     """
     tied = [c.wte.weight for c in chunks if hasattr(c, "wte")] if ctx.pp_enabled and cfg.model.tied else []
     model = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
@@ -114,7 +116,8 @@ def wrap_for_zero(chunks: list[GPT], cfg: Config, ctx: ParallelContext, param_in
         model, cfg.zero, cfg.optimizer, dp_group=ctx.dp_cp_group, reduce_group=ctx.zero_reduce_group,
         norm_group=ctx.mp_group, norm_counted=norm_counted,
         precision=cfg.training.precision, loss_scale_cfg=cfg.loss_scale, tied_params=tied,
-        tied_group=ctx.embedding_group if tied else None, param_init=param_init, device=device)
+        tied_group=ctx.embedding_group if tied and schedule != "zbv" else None, param_init=param_init,
+        device=device)
     return optimizer, model, tied
 
 
@@ -152,7 +155,7 @@ def build(cfg: Config, ctx: ParallelContext, device: torch.device) -> Parts:
     rng_tracker = RNGTracker(cfg.training.seed, ctx.tp_rank, device)
     chunks = build_on_meta(cfg, ctx, specs, rng_tracker)
     param_init = materialiser(chunks, cfg, ctx, device)
-    optimizer, model, tied = wrap_for_zero(chunks, cfg, ctx, param_init, device)
+    optimizer, model, tied = wrap_for_zero(chunks, cfg, ctx, param_init, device, schedule)
     p2p = pipeline_p2p(cfg, ctx, virtual_stages, device)
     apply_compile(chunks, cfg, device)
     return Parts(schedule, virtual_stages, specs, rng_tracker, chunks, model, tied, optimizer, p2p)

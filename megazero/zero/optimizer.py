@@ -71,6 +71,7 @@ from megazero.tensor_parallel.finalize import all_reduce_coalesced, sequence_par
 from megazero.zero import accounting
 from megazero.zero.adam import ADAM_CHUNK, adam_update
 from megazero.zero.bucketed import BucketedParams, sharded_state
+from megazero.zero.flat import OwnedSegment
 from megazero.zero.grads import OwnedGrads, grad_dtype_for
 from megazero.zero.loss_scaler import make_loss_scaler
 from megazero.zero.offload import HostOffload
@@ -174,6 +175,10 @@ class ZeroOptimizer:
         self.tied_group = tied_group
         self._tied_segments = [seg for seg in self.store.segments
                                if any(any(p is t for t in tied_params) for p, _, _ in seg.pieces)]
+        # Both copies on this rank (zbv: the first and the last stage on pipeline rank 0) and no group: the two
+        # copies' segments pair up in order (each copy is partitioned alone, alike) and are summed here, so the
+        # pipeline's embedding group is not used (the second copy is left out of the norm by norm_counted).
+        self.tied_pairs = _local_tied_pairs(self._tied_segments, tied_params) if tied_group is None else []
         self._comm_device = dp_group.device  # where the norm collectives run (the device even under offload)
         self._grads: OwnedGrads | None = None  # this step's owned gradients, prepare_step -> finish_step
         self.offload = zero_cfg.offload_optimizer == "cpu"
@@ -308,6 +313,9 @@ class ZeroOptimizer:
         if self.tied_group is not None:
             for seg in self._tied_segments:
                 self.tied_group.all_reduce(seg.grad, tag="tied")
+        for a, b in self.tied_pairs:
+            a.grad.add_(b.grad)
+            b.grad.copy_(a.grad)
         self._grads = self._owned_grads()
         if self._sp_runs:
             self._sp_buffer = all_reduce_coalesced([self._grads.slice(a, b) for a, b in self._sp_runs],
@@ -449,3 +457,17 @@ class ZeroOptimizer:
         if self.state.master is not None:  # a separate fp32 master: the model's parameters follow it
             self.state.write_params()
         self.store.after_step()
+
+
+def _local_tied_pairs(segments: Sequence[OwnedSegment], tied: Sequence[nn.Parameter]
+                      ) -> list[tuple[OwnedSegment, OwnedSegment]]:
+    """The owned segments of two tied copies held by one rank, paired element for element (empty unless
+    ``tied`` holds two parameters)."""
+    if len(tied) != 2:
+        return []
+    first, second = ([s for s in segments if any(p is t for p, _, _ in s.pieces)] for t in tied)
+    pairs = list(zip(first, second))
+    if len(first) != len(second) or any([pc[1:] for pc in a.pieces] != [pc[1:] for pc in b.pieces]
+                                         for a, b in pairs):
+        raise ValueError("the two tied embedding copies on this rank are not partitioned alike")
+    return pairs
