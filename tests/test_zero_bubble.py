@@ -20,7 +20,7 @@ from megazero.plan.estimate import peak_bytes
 from megazero.tensor_parallel import weight_grad
 from megazero.tensor_parallel.layers import embedding, linear
 from megazero.train.engine import Engine
-from tests.common import assert_matches_reference, merge_runs, train_eval_runs
+from tests.common import assert_matches_reference, merge_runs, train_eval_runs, train_runs
 from tests.dist import run_world
 from tests.reference import LLAMA, RefSpec, run_reference
 
@@ -193,6 +193,46 @@ def test_zb_h1_with_context_parallel(references, data_cache, tmp_path):
                        "--global-batch-size", "8"])]
     _check(run_world(train_eval_runs, 4, [f for _, f in runs], data_cache, str(tmp_path), pp=2, cp=2), runs,
            references, "cp 2 x pp 2")
+
+
+# -- zbv checkpoints: saved at pp 2, loaded at pp 1 (1F1B) and back ---------------------------------------------
+SIX = ["--train-steps", "6", "--lr-decay-steps", "6"]  # the schedule of a 6-step run, whenever it stops
+
+
+def _zbv_checkpoints(ctx, cache: str, log_dir: str, ck: str):
+    """One 2-rank world: zbv pp 2 trains 6 steps (the uninterrupted run); A trains 3 of them under zbv at ZeRO 1
+    and saves; B loads A at pp 1 x dp 2 (1F1B, ZeRO 0) and trains to step 6, saving steps 4 and 6; C loads B's
+    step 4 under zbv at ZeRO 2 and trains to step 6."""
+    from megazero.distributed.context import ParallelContext, RankGrid
+
+    base = [*PP_MODEL, "--micro-batch-size", "1", "--global-batch-size", "4"]
+    zbv = [*base, "--pp", "2", *ZBV]
+    one = ParallelContext.from_grid(RankGrid.from_world(ctx.world_size, tp_size=1, pp_size=1))
+    out = train_runs(ctx, [[*zbv, *SIX], [*zbv, *SIX, "--train-steps", "3", "--zero-stage", "1", "--save",
+                                          f"{ck}/a"]], cache, f"{log_dir}/v")
+    out += train_runs(one, [[*base, *SIX, "--load", f"{ck}/a", "--save", f"{ck}/b", "--save-interval", "2"]],
+                      cache, f"{log_dir}/one")
+    out += train_runs(ctx, [[*zbv, *SIX, "--zero-stage", "2", "--load", f"{ck}/b/step_00000004"]], cache,
+                      f"{log_dir}/back")
+    return out
+
+
+def test_zbv_checkpoint_loads_at_pp1_and_back(data_cache, tmp_path):
+    """A zbv checkpoint names its parameters canonically (rank 0's chunk 1 holds the last layers and the final
+    norm; the tied head copy is not saved beside the embedding): loaded at pp 1 it continues the uninterrupted
+    zbv run, and a pp 1 checkpoint loaded under zbv does too (losses and weights, fp32 1e-5)."""
+    from megazero.checkpoint import CheckpointReader
+
+    full, a, b, c = merge_runs(run_world(_zbv_checkpoints, 2, data_cache, str(tmp_path / "logs"), str(tmp_path),
+                                         pp=2))
+    ref_losses, ref_state = full
+    assert_matches_reference(a[0], None, (ref_losses[:3], None))  # the saved run, stopped at step 3
+    assert_matches_reference(*b, (ref_losses[3:], ref_state))  # zbv pp 2 -> pp 1
+    assert_matches_reference(*c, (ref_losses[4:], ref_state))  # pp 1 -> zbv pp 2
+    tensors = CheckpointReader(tmp_path / "a" / "step_00000003").manifest["tensors"]
+    pp_of = {n: {p["pp"] for p in t["pieces"]} for n, t in tensors.items()}
+    assert pp_of["blocks.7.attn.qkv.weight"] == pp_of["ln_f.weight"] == pp_of["wte.weight"] == {0}
+    assert pp_of["blocks.4.attn.qkv.weight"] == {1} and len(tensors["wte.weight"]["pieces"]) == 1
 
 
 # -- ZeRO: reductions follow W, gathers stay in F and B; non-finite W gradients skip the step ---------------
