@@ -23,6 +23,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from megazero.config.resolve import chunks_per_rank
 from megazero.config.schema import Config
 from megazero.distributed.context import RankGrid
 from megazero.model.kernels import emulate
@@ -64,7 +65,8 @@ def dry_run(cfg: Config, c: Cluster, log_dir: str | None = None, device_type: st
     step_cfg = replace(cfg, training=replace(t, compile=False))  # nothing to compile for on meta
     grid = RankGrid(p.tp_size * p.cp_size * p.pp_size * p.dp_size, p.tp_size, p.pp_size, p.dp_size, p.cp_size)
     roles = []
-    for rank, padded in rank_roles(grid, m.vocab_size):
+    schedule = p.pp_schedule if p.pp_size > 1 else "1f1b"
+    for rank, padded in rank_roles(grid, m.vocab_size, schedule):
         with emulate(device_type):
             res = run_role_steady(step_cfg, grid, rank, c) if steady else run_role(step_cfg, grid, rank, c)
         res.holds_vocab_padding = padded
@@ -79,8 +81,7 @@ def dry_run(cfg: Config, c: Cluster, log_dir: str | None = None, device_type: st
                                        f" at {'/'.join(map(str, sorted(counts)))} micro-batches)")
     for r in roles:
         r.p2p_calls = None  # replayed; not written to the JSON
-    schedule = p.pp_schedule if p.pp_size > 1 else "1f1b"
-    v = p.virtual_stages if schedule == "interleaved" else 1
+    v = chunks_per_rank(schedule, p.pp_size, p.virtual_stages)
     bubble = simulate(schedule, p.pp_size, t.gradient_accumulation_steps, v).bubble_fraction if p.pp_size > 1 else 0.0
     usable = c.usable_memory_bytes
     worst = max(roles, key=lambda r: r.larger_peak()[1])  # the training step's or the evaluation's peak

@@ -76,7 +76,7 @@ def stage_layers(num_layers: int, pp_size: int, layout: Sequence[int] | None = N
 
 def rank_parameter_numels(model: ModelConfig, tp_size: int = 1, pp_size: int = 1, pp_rank: int = 0,
                           layers: range | None = None, virtual_stages: int = 1,
-                          layout: Sequence[int] | None = None) -> dict[str, int]:
+                          layout: Sequence[int] | None = None, schedule: str = "") -> dict[str, int]:
     """Element count of every parameter one rank holds, by the model's parameter name (Ψ_r is their sum).
 
     The first stage holds the token and position embeddings (GPT-2's learned ones), the last the final norm and
@@ -84,12 +84,14 @@ def rank_parameter_numels(model: ModelConfig, tp_size: int = 1, pp_size: int = 1
     column-parallel weights and biases and the vocabulary are split over TP, the rest is replicated in full.
     Llama's blocks have RMSNorm weights, no biases, a fused q/k/v of ``(nh + 2·nkv)·hd`` rows and SwiGLU's gate
     and up rows in one weight. With ``virtual_stages`` V > 1 the rank holds chunks ``c * pp + rank`` of
-    ``pp * V`` stages, named ``"{c}.{name}"`` as in an ``nn.ModuleList`` of chunks.
+    ``pp * V`` stages, named ``"{c}.{name}"`` as in an ``nn.ModuleList`` of chunks; ``schedule`` "zbv" places
+    the two chunks in a V (virtual stages ``rank`` and ``2 pp - 1 - rank``: rank 0 holds the embeddings and the
+    final norm and output layer, for GPT-2 both copies of the tied embedding).
     """
     if virtual_stages > 1:
         out: dict[str, int] = {}
         total, layout = pp_size * virtual_stages, None if layout is None else list(layout)
-        for c, spec in enumerate(stage_specs(model.num_layers, pp_size, pp_rank, virtual_stages, layout)):
+        for c, spec in enumerate(stage_specs(model.num_layers, pp_size, pp_rank, virtual_stages, layout, schedule)):
             chunk = rank_parameter_numels(model, tp_size, total, spec.virtual_stage, spec.layers)
             out.update({f"{c}.{k}": n for k, n in chunk.items()})
         return out
@@ -223,21 +225,26 @@ def weight_stash_bytes(model: ModelConfig, micro_batch: int, *, tp_size: int = 1
     return e * out
 
 
-def _split_schedule_activations(schedule: str, pp_size: int, pp_rank: int, micro_batches: int, act: float,
-                                stash: float) -> float:
-    """The most bytes a rank of a split schedule holds between F and W: its timeline replayed with ``act`` per
-    micro-batch from F to B and ``stash`` from B to W."""
-    return max(f * act + w * stash for f, w in _held_counts(schedule, pp_size, pp_rank, micro_batches))
+def _split_schedule_activations(schedule: str, pp_size: int, pp_rank: int, micro_batches: int,
+                                acts: Sequence[float], stashes: Sequence[float]) -> float:
+    """The most bytes a rank of a split schedule holds between F and W: its timeline replayed with ``acts[c]``
+    per micro-batch of chunk ``c`` from F to B and ``stashes[c]`` from B to W (one chunk per rank under zb-h1;
+    zbv's two, whose bytes differ: rank 0's first chunk holds the embedding, its second the LM head)."""
+    return max(sum(f * a + w * st for (f, w), a, st in zip(state, acts, stashes))
+               for state in _held_counts(schedule, pp_size, pp_rank, micro_batches, len(acts)))
 
 
 @functools.lru_cache(maxsize=4096)
-def _held_counts(schedule: str, pp_size: int, pp_rank: int, micro_batches: int) -> frozenset[tuple[int, int]]:
-    """Every (micro-batches between F and B, between B and W) a rank's timeline passes through."""
-    f = w = 0
-    seen = {(0, 0)}
-    for a in build_schedule(schedule, pp_size, pp_rank, micro_batches):
-        f, w = f + {"F": 1, "B": -1, "W": 0}[a.kind], w + {"F": 0, "B": 1, "W": -1}[a.kind]
-        seen.add((f, w))
+def _held_counts(schedule: str, pp_size: int, pp_rank: int, micro_batches: int, chunks: int = 1
+                 ) -> frozenset[tuple[tuple[int, int], ...]]:
+    """Every state a rank's timeline passes through: per chunk, (micro-batches between F and B, between B and
+    W)."""
+    held = [[0, 0] for _ in range(chunks)]
+    seen = {tuple((0, 0) for _ in range(chunks))}
+    for a in build_schedule(schedule, pp_size, pp_rank, micro_batches, chunks):
+        c = held[a.chunk]
+        c[0], c[1] = c[0] + {"F": 1, "B": -1, "W": 0}[a.kind], c[1] + {"F": 0, "B": 1, "W": -1}[a.kind]
+        seen.add(tuple((f, w) for f, w in held))
     return frozenset(seen)
 
 
@@ -282,7 +289,11 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
     * model states as :func:`model_state_bytes` (offloaded ones only with ``host_counts``, e.g. on a CPU run
       where host and device are one memory);
     * activations: :func:`activation_bytes` times :func:`in_flight_micro_batches` (``fused_attention``,
-      ``mask_bytes`` and ``fused_norm`` say which kernels run, :mod:`megazero.plan.activations`);
+      ``mask_bytes`` and ``fused_norm`` say which kernels run, :mod:`megazero.plan.activations`); under the
+      zero-bubble schedules the most that the rank's timeline holds between F and W, each micro-batch's
+      activations from F to B and its W stash (:func:`weight_stash_bytes`) from B to W, chunk by chunk for
+      ``zbv`` (two chunks per rank in a V: rank 0 runs the first stage, with the embeddings, and the last, with
+      the final norm, the logits and the loss);
     * communication buffers (stages 2-3, as ``megazero/zero`` holds them): the gradient staging buckets of
       stage 2 and of stage 3's persistent parameters, ``e·min(bucket, Ψ)`` per buffer: one without
       ``overlap_comm`` (each reduction completes before the next bucket opens), ``max_inflight`` with it.
@@ -303,8 +314,8 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
 
     Stage 3 (:mod:`megazero.zero.stage3.params`) is followed through its backward, the largest of: as it begins
     (the chunk's own units gathered, the next block prefetched, the LM head's fresh gradient of the tied
-    embedding); during each block's backward (that block and the next gathered, one block's gradient
-    staging, the largest block parameter's fresh gradient, the head's gradient of the tied embedding held
+    embedding); during each block's backward (that block and the next gathered, its gradients staged over its
+    own gathered parameters where the staging dtype is the model's, else one block's gradient staging, the largest block parameter's fresh gradient, the head's gradient of the tied embedding held
     by autograd until the embedding's backward adds to it; the chunk's own units are released by then, and
     the activations of the blocks already done are freed); at each block's reduction (the block released, its
     staging and, where the reduction dtype is wider than the model's, one converted chunk of the model
@@ -315,23 +326,27 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
     second on. ``released`` is that difference from the sum of the other fields.
     """
     e = ELEMENT_BYTES[precision]
-    numel = rank_parameter_numels(model, tp_size, pp_size, pp_rank)
+    v = 2 if schedule == "zbv" and pp_size > 1 else 1  # zbv: two chunks per rank in a V
+    numel = rank_parameter_numels(model, tp_size, pp_size, pp_rank, virtual_stages=v, schedule=schedule)
     sizes = list(numel.values())
     ms = model_state_bytes(sizes, stage, dp_size, precision, persistence_threshold, offload_optimizer,
                            offload_param and stage == 3)
     states = ms.total if host_counts else ms.device
-    layers = stage_layers(model.num_layers, pp_size)[pp_rank]
-    first, last = pp_rank == 0, pp_rank == pp_size - 1
+    specs = stage_specs(model.num_layers, pp_size, pp_rank, v, schedule=schedule)
+    n_layers = sum(len(sp.layers) for sp in specs)
+    first, last = any(sp.pre_process for sp in specs), any(sp.post_process for sp in specs)
     common = dict(tp_size=tp_size, sequence_parallel=sequence_parallel, precision=precision,
                   checkpointing=checkpointing, fused_attention=fused_attention, mask_bytes=mask_bytes,
                   fused_norm=fused_norm)
-    act = activation_bytes(model, micro_batch, **common, layers=len(layers), first_stage=first, last_stage=last)
+    acts = [activation_bytes(model, micro_batch, **common, layers=len(sp.layers), first_stage=sp.pre_process,
+                             last_stage=sp.post_process) for sp in specs]
     if schedule in SPLIT_SCHEDULES and pp_size > 1:  # the stashed W inputs count too
-        stash = weight_stash_bytes(model, micro_batch, tp_size=tp_size, sequence_parallel=sequence_parallel,
-                                   precision=precision, layers=len(layers), first_stage=first, last_stage=last)
-        act = _split_schedule_activations(schedule, pp_size, pp_rank, micro_batches, act, stash)
+        stashes = [weight_stash_bytes(model, micro_batch, tp_size=tp_size, sequence_parallel=sequence_parallel,
+                                      precision=precision, layers=len(sp.layers), first_stage=sp.pre_process,
+                                      last_stage=sp.post_process) for sp in specs]
+        act = _split_schedule_activations(schedule, pp_size, pp_rank, micro_batches, acts, stashes)
     else:
-        act *= in_flight_micro_batches(pp_size, pp_rank, schedule, micro_batches)
+        act = acts[0] * in_flight_micro_batches(pp_size, pp_rank, schedule, micro_batches)
     comm = 0.0
     eg = grad_dtype_for(precision).itemsize  # what gradients are staged and reduced in (--grad-dtype auto)
     if stage >= 2:
@@ -348,10 +363,14 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
     transient = recompute_bytes(model, micro_batch, **common) + e * max(sizes) + e * s * micro_batch * h / sp
     if stage != 3:
         return PeakEstimate(states, act, comm, transient, 3 * e * max(sizes))
-    blocks_act = activation_bytes(model, micro_batch, **common, layers=len(layers), first_stage=False,
+    blocks_act = activation_bytes(model, micro_batch, **common, layers=n_layers, first_stage=False,
                                   last_stage=False)
+    if v > 1:  # zbv's chunks: blocks by their (global) layer, the second chunk's other parameters apart
+        numel = {(rest if rest.startswith("blocks.") or c == "0" else f"head.{rest}"): n
+                 for c, rest in (k.split(".", 1) for k in numel) for n in (numel[f"{c}.{rest}"],)}
+    # zbv's LM head has its own copy of the tied embedding on rank 0: no gradient held across the chunk
     gathered, released = _stage3_backward(numel, persistence_threshold, e, eg, dp_size, micro_batches,
-                                          blocks_act, first, last, pp_size)
+                                          blocks_act, first, last and v == 1, pp_size)
     # the optimizer step works on owned slices: three fp32 tensors of the largest one at most
     return PeakEstimate(states, act, comm, transient + gathered, 3 * e * max(sizes) / dp_size, released)
 
@@ -377,13 +396,14 @@ def _stage3_backward(numel: dict[str, int], threshold: int, e: int, eg: int, dp_
 
     # staging in the model dtype where the reduction's is wider, converted in chunks of the model dtype's bytes
     es, chunk = min(e, eg), (e if e < eg else 0)
+    own = 0 if es == e else es  # staged in the model dtype: in the block's own gathered buffer, no slot of its own
     # (added, released): as backward begins, during the i-th block's backward and at its reduction (the
     # block released, its owned part allocated), at the embedding's backward
     moments = [(e * (root + block), missing(0))]
     for i in range(n_blocks):
         prefetched = block if i < n_blocks - 1 else 0
         done = blocks_act * i / max(n_blocks, 1)
-        added = e * (block + prefetched) + es * block + e * block_param + held - e * largest
+        added = e * (block + prefetched) + own * block + e * block_param + held - e * largest
         moments.append((added, missing(i) + done))
         added = e * prefetched + (es + chunk) * block + held - e * largest
         moments.append((added, missing(i + 1) + done))

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megazero.config.resolve import chunks_per_rank
 from megazero.config.schema import Config
 from megazero.distributed import device_io
 from megazero.distributed.context import ParallelContext, RankGrid
@@ -128,13 +129,14 @@ def _padding_ranks(vocab: int, tp: int) -> list[bool]:
     return [(t + 1) * per > vocab for t in range(tp)]
 
 
-def rank_roles(grid: RankGrid, vocab: int) -> list[tuple[int, bool]]:
+def rank_roles(grid: RankGrid, vocab: int, schedule: str = "") -> list[tuple[int, bool]]:
     """One representative global rank per distinct role (dp rank 0), with its padding flag: every pipeline
-    stage; on the stages that hold the embedding (first, last), one TP rank with and one without padding."""
+    stage; on the stages that hold the embedding (first, last; under ``schedule`` "zbv" both are pipeline rank
+    0's), one TP rank with and one without padding."""
     pad = _padding_ranks(vocab, grid.tp_size)
     out = []
     for p in range(grid.pp_size):
-        has_vocab = p in (0, grid.pp_size - 1)
+        has_vocab = p == 0 or (p == grid.pp_size - 1 and schedule != "zbv")
         seen: set[bool] = set()
         for t in range(grid.tp_size):
             flag = pad[t] if has_vocab else False
@@ -175,11 +177,13 @@ def _agreed_bucket(cfg: Config, ctx: ParallelContext) -> Config:
 
     A real run agrees the default (Ψ-derived) bucket over the embedding group with an all-reduce (min) at
     construction; on meta there is no value to read back, so the dry run counts both stages' Ψ on meta and
-    sets the agreed size, as the real rank would end up with."""
+    sets the agreed size, as the real rank would end up with. Under zbv both copies are pipeline rank 0's and
+    nothing is agreed."""
     z, p, m = cfg.zero, cfg.parallel, cfg.model
-    if z.reduce_bucket_size is not None or ctx.pp_size == 1 or ctx.embedding_group is None:
+    if (z.reduce_bucket_size is not None or ctx.pp_size == 1 or ctx.embedding_group is None
+            or p.pp_schedule == "zbv"):
         return cfg
-    v = p.virtual_stages if p.pp_schedule == "interleaved" else 1
+    v = chunks_per_rank(p.pp_schedule, ctx.pp_size, p.virtual_stages)
     rng = RNGTracker(cfg.training.seed, ctx.tp_rank, "meta")
 
     def psi(pp_rank: int) -> int:
@@ -270,7 +274,7 @@ def roofline_seconds(cfg: Config, grid: RankGrid, rank: int, breakdown: dict[tup
     cp_sends = {tag: n for (g, o, tag), n in breakdown.items() if g == "cp" and o == "send"}
     cp_coll = sum(n for (g, o, _t), n in breakdown.items() if g == "cp" and o != "send") * e
     cp_send_bytes = sum(n * (4 if tag == "kv_grad" else e) for tag, n in cp_sends.items())
-    v = cfg.parallel.virtual_stages if cfg.parallel.pp_schedule == "interleaved" else 1
+    v = chunks_per_rank(cfg.parallel.pp_schedule, grid.pp_size, cfg.parallel.virtual_stages)
     st = step_time(c=c, precision=t.precision, global_batch=t.global_batch_size, seq_len=m.seq_len,
                    num_layers=m.num_layers, hidden=m.hidden_size, vocab=m.vocab_size,
                    checkpointing=cfg.activation_checkpointing.mode, tp=grid.tp_size, pp=grid.pp_size,

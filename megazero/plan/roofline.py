@@ -7,7 +7,7 @@ then CP, then DP, then PP; ``gpus_per_node`` consecutive ranks share a node) is 
   :func:`megazero.observe.flops.megatron_hardware_flops`) split evenly over the ranks, at ``efficiency`` x the GPU's
   dense peak for the compute dtype;
 * **pipeline bubble**: compute x ``(p - 1) / m`` (1F1B, GPipe) or ``(1/v)(p - 1) / m`` (interleaved), or the
-  zero-bubble timeline's idle fraction (zb-h1);
+  zero-bubble timeline's idle fraction (zb-h1; zbv over its two chunks per rank);
 * **communication**: each collective's logical volume as the ledger counts it (all-reduce 2n, reduce-scatter
   and all-gather n, send n) x ``(g - 1) / g`` for a ring of g ranks, over the bandwidth of the slowest link the
   group crosses: NVLink (per GPU, one direction) inside a node, the GPU's share of the node's network across

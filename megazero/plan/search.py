@@ -1,7 +1,9 @@
 """Search the layouts of a GPT run on N GPUs: estimate each one's peak memory and step time, rank the fits.
 
 A :class:`Layout` is one choice of tp (inside a node), cp, pp, dp, ZeRO stage, micro-batch size, recomputation,
-optimizer offload, sequence parallelism and pipeline schedule. :func:`evaluate` gives its per-rank peak
+optimizer offload, sequence parallelism and pipeline schedule (1F1B, interleaved, zb-h1 or zbv; under zbv each
+rank holds two chunks in a V, so rank 0 carries both ends of the model and the V's turn on the last rank sends
+nothing). :func:`evaluate` gives its per-rank peak
 (:func:`megazero.plan.estimate.peak_bytes`: model states, the stashed micro-batches -- rescaled for the interleaved
 schedule's in-flight chunks --, communication buffers and backward's transients), the volume each rank moves per step over TP, PP and DP (counted the
 way :class:`megazero.distributed.ledger.CommLedger` counts them) and a roofline step time
@@ -54,6 +56,7 @@ class Layout:
     virtual_stages: int = 1  # > 1: the interleaved schedule
     cp: int = 1  # context parallel: each sequence split over cp ranks
     zero_bubble: bool = False  # the zb-h1 schedule (split backward)
+    zbv: bool = False  # the ZB-V schedule: split backward, two chunks per rank in a V
 
     @property
     def world(self) -> int:
@@ -61,7 +64,13 @@ class Layout:
 
     @property
     def schedule(self) -> str:
-        return "interleaved" if self.virtual_stages > 1 else "zb-h1" if self.zero_bubble else "1f1b"
+        return ("interleaved" if self.virtual_stages > 1 else "zbv" if self.zbv else "zb-h1" if self.zero_bubble
+                else "1f1b")
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per pipeline rank: ``virtual_stages`` (interleaved), 2 (zbv) or 1."""
+        return 2 if self.zbv else self.virtual_stages
 
     def flags(self) -> list[str]:
         """The ``pretrain/gpt.py`` flags of this layout."""
@@ -71,8 +80,8 @@ class Layout:
             out.append("--sequence-parallel")
         if self.virtual_stages > 1:
             out += ["--pp-schedule", "interleaved", "--virtual-stages", str(self.virtual_stages)]
-        if self.zero_bubble:
-            out += ["--pp-schedule", "zb-h1"]
+        if self.zero_bubble or self.zbv:
+            out += ["--pp-schedule", self.schedule]
         if self.checkpointing != "none":
             out += ["--activation-checkpointing", self.checkpointing]
         if self.offload:
@@ -120,8 +129,8 @@ def _tp_elements(model: ModelConfig, lay: Layout, layers: int, first: bool, last
 
 
 @lru_cache(maxsize=4096)
-def _numels(model: ModelConfig, tp: int, pp: int, rank: int, v: int) -> tuple[int, ...]:
-    return tuple(rank_parameter_numels(model, tp, pp, rank, virtual_stages=v).values())
+def _numels(model: ModelConfig, tp: int, pp: int, rank: int, v: int, schedule: str) -> tuple[int, ...]:
+    return tuple(rank_parameter_numels(model, tp, pp, rank, virtual_stages=v, schedule=schedule).values())
 
 
 def evaluate(model: ModelConfig, lay: Layout, global_batch: int, c: Cluster, precision: str = "bf16",
@@ -142,15 +151,17 @@ def evaluate(model: ModelConfig, lay: Layout, global_batch: int, c: Cluster, pre
     worst_mem: tuple | None = None
     slowest: StepTime | None = None
     vols = [0.0, 0.0, 0.0, 0.0]  # tp, pp, dp, cp bytes: the largest over the stages
+    chunks, vee = lay.chunks, lay.schedule if lay.zbv else ""  # zbv: two chunks per rank in a V
     for r in range(lay.pp):
-        numels = _numels(model, lay.tp, lay.pp, r, v)
+        numels = _numels(model, lay.tp, lay.pp, r, chunks, vee)
         psi = float(sum(numels))
-        layers = sum(len(spec.layers) for spec in stage_specs(model.num_layers, lay.pp, r, v))
-        first, last = r == 0, r == lay.pp - 1
+        specs = stage_specs(model.num_layers, lay.pp, r, chunks, schedule=vee)
+        layers = sum(len(spec.layers) for spec in specs)
+        first, last = any(sp.pre_process for sp in specs), any(sp.post_process for sp in specs)
         pe = peak_bytes(local, lay.micro_batch_size, stage=lay.zero_stage, dp_size=nd, tp_size=lay.tp,
                         pp_size=lay.pp, pp_rank=r, precision=precision, checkpointing=lay.checkpointing,
                         sequence_parallel=lay.sequence_parallel, micro_batches=m,
-                        schedule="zb-h1" if lay.zero_bubble else "1f1b",
+                        schedule="1f1b" if v > 1 else lay.schedule,
                         offload_optimizer=lay.offload and lay.zero_stage >= 1,
                         persistence_threshold=persistence_threshold, bucket_numel=reduce_bucket_size)
         states, acts, other = pe.model_states, pe.activations, pe.comm_buffers
@@ -166,13 +177,16 @@ def evaluate(model: ModelConfig, lay: Layout, global_batch: int, c: Cluster, pre
         tp_el = _tp_elements(local, lay, layers, first, last, m)
         cp_b = m * layers * ring_kv_bytes(kv, cp, e, recomputed=lay.checkpointing != "none")
         seq = local.seq_len // (lay.tp if lay.sequence_parallel else 1)
-        pp_el = 0.0 if lay.pp == 1 else m * v * lay.micro_batch_size * seq * model.hidden_size * (
-            (0 if last and v == 1 else 1) + (0 if first and v == 1 else 1))
+        # per micro-batch and chunk an activation forward and its gradient back, but not out of the pipeline's ends
+        # nor (zbv) across the V's turn on the last rank; zbv's rank 0 holds both ends
+        sends = (2 * ((r < lay.pp - 1) + (r > 0)) if lay.zbv
+                 else v * ((0 if last and v == 1 else 1) + (0 if first and v == 1 else 1)))
+        pp_el = 0.0 if lay.pp == 1 else m * sends * lay.micro_batch_size * seq * model.hidden_size
         owned = psi / nd if lay.zero_stage >= 1 else psi
         t = step_time(c=c, precision=precision, global_batch=global_batch, seq_len=model.seq_len,
                       num_layers=model.num_layers, hidden=model.hidden_size,
                       vocab=model.vocab_size, checkpointing=lay.checkpointing, tp=lay.tp, pp=lay.pp, dp=nd,
-                      micro_batches=m, virtual_stages=v, tp_elements=tp_el, pp_elements=pp_el,
+                      micro_batches=m, virtual_stages=chunks, tp_elements=tp_el, pp_elements=pp_el,
                       dp_grad_elements=g, dp_param_elements=p_, grad_bytes=grad_bytes, owned_params=owned,
                       offload=lay.offload, tp_crosses=crosses["tp"], pp_crosses=crosses["pp"],
                       dp_crosses=crosses["dp_cp"], shape=flops_shape(model), cp=cp, cp_send_bytes=cp_b,
@@ -198,10 +212,11 @@ def layouts(model: ModelConfig, gpus: int, global_batch: int, gpus_per_node: int
             micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16), stages: tuple[int, ...] = (0, 1, 2, 3),
             checkpointing: tuple[str, ...] = ("none", "selective", "full"), offload: tuple[bool, ...] = (False, True),
             virtual_stages: tuple[int, ...] = (1, 2), cp_across_nodes: bool = False,
-            zero_bubble: tuple[bool, ...] = (False, True)) -> list[Layout]:
+            zero_bubble: tuple[bool, ...] = (False, True), zbv: tuple[bool, ...] = (False, True)) -> list[Layout]:
     """Every valid layout: tp divides the GPUs of a node and the heads; cp as :func:`_cp_sizes`; pp <= layers;
     the global batch splits into dp x micro-batch x accumulation; interleaving needs m divisible by pp and
-    enough layers; zb-h1 (``zero_bubble``) a pipeline of one chunk per rank; offload needs a ZeRO stage;
+    enough layers; zb-h1 (``zero_bubble``) a pipeline of one chunk per rank; zbv (``zbv``) a pipeline and at
+    least two layers per rank (its two chunks); offload needs a ZeRO stage;
     sequence parallelism needs tp > 1 dividing the CP-local
     sequence."""
     out = []
@@ -213,9 +228,9 @@ def layouts(model: ModelConfig, gpus: int, global_batch: int, gpus_per_node: int
                 dp = gpus // (tp * cp * pp)
                 if pp > model.num_layers or global_batch % dp:
                     continue
-                for mbs, stage, ckpt, off, v, sp, zb in itertools.product(
+                for mbs, stage, ckpt, off, v, sp, zb, vee in itertools.product(
                         micro_batch_sizes, stages, checkpointing, offload, virtual_stages, (False, True),
-                        zero_bubble):
+                        zero_bubble, zbv):
                     m, rem = divmod(global_batch, mbs * dp)
                     if rem or m < 1 or (off and stage == 0) or (sp and (tp == 1 or model.seq_len // cp % tp)):
                         continue
@@ -223,7 +238,9 @@ def layouts(model: ModelConfig, gpus: int, global_batch: int, gpus_per_node: int
                         continue
                     if zb and (pp == 1 or v > 1):  # zb-h1: one chunk per rank, a pipeline to fill
                         continue
-                    out.append(Layout(tp, pp, dp, stage, mbs, ckpt, off, sp, v, cp, zb))
+                    if vee and (pp == 1 or v > 1 or zb or model.num_layers < 2 * pp):  # zbv: its own two chunks
+                        continue
+                    out.append(Layout(tp, pp, dp, stage, mbs, ckpt, off, sp, v, cp, zb, vee))
     return out
 
 
