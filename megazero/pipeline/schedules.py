@@ -27,6 +27,7 @@ micro-batches without any wall clock.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = ["SCHEDULES", "SPLIT_SCHEDULES", "Action", "ScheduleError", "SimResult", "build_schedule", "simulate",
@@ -220,19 +221,21 @@ class SimResult:
 
 
 def simulate(name: str, pp: int, micro_batches: int, virtual_stages: int = 1, forward_cost: float = 1.0,
-             backward_cost: float = 2.0) -> SimResult:
+             backward_cost: float = 2.0, timelines: Sequence[Sequence[Action]] | None = None) -> SimResult:
     """Replay every rank's timeline with unit costs and dependencies; count idle time and live activations.
 
     A micro-batch's forward through one rank's share of the model costs ``forward_cost`` (split evenly over
     its chunks), its backward ``backward_cost``, which a split schedule runs as B and W of half each. An action
     waits for its data dependency on the neighbouring virtual stage and for the previous action of its own
-    rank; communication is free.
+    rank; communication is free. ``timelines`` replays given per-rank action lists (e.g. recorded from a real
+    run) instead of :func:`build_schedule`'s.
     """
     v = virtual_stages
     n_virtual = pp * v
     split = name in SPLIT_SCHEDULES
     cost = {"F": forward_cost / v, "B": backward_cost / v / (2 if split else 1), "W": backward_cost / v / 2}
-    timelines = [build_schedule(name, pp, r, micro_batches, v) for r in range(pp)]
+    if timelines is None:
+        timelines = [build_schedule(name, pp, r, micro_batches, v) for r in range(pp)]
     done: dict[tuple[str, int, int], float] = {}  # (kind, micro-batch, virtual stage) -> finish time
     clock = [0.0] * pp
     pos = [0] * pp
