@@ -219,13 +219,31 @@ class GatherScheduler:
         if unit.work is not None:
             unit.work.wait()
             unit.work = None
-        self.slots.empty(unit.full.untyped_storage())
+        if unit.staged_in_full:  # its gradients are staged over it (:meth:`staging`): the slot becomes the staging
+            unit.staged_in_full = False
+            unit.staging_slot = self.slots.take_back(unit.full.untyped_storage())
+            unit.staging = unit.staging_slot.view(unit.full.dtype)[: unit.numel]
+        else:
+            self.slots.empty(unit.full.untyped_storage())
         for p in unit.params:
             p.data = self.placeholder.expand(p.shape)
         unit.gathered, unit.kept = False, None
         del self.gathered[unit.uid]
         self.kept.pop(unit.uid, None)
         self.live -= unit.numel
+
+    def staging(self, unit: Unit, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer for ``unit``'s local gradients in ``dtype`` (its full buffer's layout). A block gathered in a slot
+        of its own dtype stages them over its own parameters: a parameter's gradient reaches its hook once every use
+        of it in this backward is done, so it may overwrite the parameter's elements, and :meth:`release` hands the
+        slot to ``unit.staging`` instead of the pool (one slot fewer at each block's backward). Otherwise a slot of
+        the pool (``unit.staging_slot``), or memory of its own for a chunk's own unit."""
+        if (not unit.is_root and unit.gathered and dtype == unit.full.dtype
+                and self.slots.lent(unit.full.untyped_storage())):
+            unit.staged_in_full = True
+            return unit.full
+        unit.staging_slot, buf = self.slots.view(unit.numel, dtype, pooled=not unit.is_root)
+        return buf
 
     def gather_all(self) -> None:
         """Gather every unit and hold them (nested calls count); pair with :meth:`release_all`."""

@@ -257,9 +257,9 @@ class Stage3Params:
 
     # -- gradients -----------------------------------------------------------------------------------------
     def _staging(self, unit: Unit) -> torch.Tensor:
-        """A staging buffer for ``unit``'s local gradients: a slot of the pool (kept in ``unit.staging_slot``)."""
-        unit.staging_slot, buf = self.slots.view(unit.numel, self.stage_dtype, pooled=not unit.is_root)
-        return buf
+        """A staging buffer for ``unit``'s local gradients: over its own gathered block where it can, else a slot of
+        the pool (:meth:`GatherScheduler.staging <megazero.zero.stage3.gather.GatherScheduler.staging>`)."""
+        return self.sched.staging(unit, self.stage_dtype)
 
     def _on_grad(self, unit: Unit, p: nn.Parameter) -> None:
         """File ``p``'s fresh gradient with its unit (a root unit's stays ``p.grad``, which later uses of the

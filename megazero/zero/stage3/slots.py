@@ -59,12 +59,23 @@ class SlotPool:
 
     def empty(self, storage: torch.UntypedStorage) -> None:
         """Take ``storage``'s memory back: into its slot (which becomes idle), or freed if it was its own."""
-        slot = self._lent.pop(storage._cdata, None)
+        slot = self.take_back(storage)
         if slot is None:
             storage.resize_(0)
             return
-        storage._swap_data_ptr_(slot.untyped_storage())
         self.give_back(slot)
+
+    def lent(self, storage: torch.UntypedStorage) -> bool:
+        """Whether ``storage`` holds a slot's memory now."""
+        return storage._cdata in self._lent
+
+    def take_back(self, storage: torch.UntypedStorage) -> torch.Tensor | None:
+        """Move the slot's memory out of ``storage`` (left empty) back into the slot, and return the slot with
+        its contents, still borrowed (:meth:`give_back` it); None if ``storage`` holds no slot."""
+        slot = self._lent.pop(storage._cdata, None)
+        if slot is not None:
+            storage._swap_data_ptr_(slot.untyped_storage())
+        return slot
 
     def view(self, numel: int, dtype: torch.dtype, pooled: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
         """``(slot, tensor)``: ``numel`` elements of ``dtype`` viewing a slot (give the slot back with

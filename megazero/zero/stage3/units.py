@@ -119,6 +119,7 @@ class Unit:
         self.flush_numel = max(p.numel() for p in self.params)  # filed gradients are staged from this size on
         self.staged: set[int] = set()  # parameters staged in this backward
         self.staging_slot: torch.Tensor | None = None  # the pool's slot ``staging`` views (None: its own memory)
+        self.staged_in_full = False  # ``staging`` is ``full`` itself (gradients written over used parameters)
 
     def reset_backward(self) -> None:
         self.arrived = [False] * len(self.params)
