@@ -125,23 +125,41 @@ def test_pipeline_with_tensor_and_data_parallel_and_zero(references, data_cache,
 
 # -- the tied-embedding guard ---------------------------------------------------------------------------------
 def _drift(ctx, cache: str):
-    cfg = parse_args([*PP_MODEL, "--pp", "2", "--vocab-size", "512", "--seq-len", "32", "--hidden-size", "64",
-                      "--num-heads", "4", "--cache-dir", cache]).resolve(ctx.world_size)
-    engine = Engine(cfg, ctx)
-    assert engine.check_tied_embeddings() == 0.0  # both copies initialised from the same (seed, name)
-    if ctx.is_last_stage:
-        with torch.no_grad():
-            engine.chunks[0].wte.weight.add_(1e-3)
-    try:
-        engine.check_tied_embeddings()
-    except RuntimeError as e:
-        return str(e)
-    return "no error"
+    """Per schedule (1F1B at ZeRO 0; zbv at ZeRO 1, where rank 0 holds both copies): the check after building,
+    the error after one copy drifts, and the groups a zbv step used."""
+    out = {}
+    for schedule, stage in (("1f1b", "0"), ("zbv", "1")):
+        cfg = parse_args([*PP_MODEL, "--pp", "2", "--pp-schedule", schedule, "--zero-stage", stage, "--vocab-size",
+                          "512", "--seq-len", "32", "--hidden-size", "64", "--num-heads", "4", "--micro-batch-size",
+                          "1", "--global-batch-size", "3", "--cache-dir", cache]).resolve(ctx.world_size)
+        engine = Engine(cfg, ctx)
+        assert engine.check_tied_embeddings() == 0.0  # both copies initialised from the same (seed, name)
+        groups = set()
+        if schedule == "zbv":  # a step sums the two copies on rank 0: no traffic over the embedding group
+            before = dict(ctx.ledger.totals)
+            batch = [(torch.randint(0, 512, (1, 32)), torch.randint(0, 512, (1, 32))) for _ in range(3)]
+            engine.train_step(batch)
+            groups = {k[0].split(".")[0] for k, v in ctx.ledger.totals.items() if v != before.get(k, 0)}
+            assert engine.check_tied_embeddings() == 0.0
+        holder = engine.chunks[-1] if schedule == "zbv" else engine.chunks[0]  # the head's copy
+        if ctx.pp_rank == engine.loss_rank:
+            with torch.no_grad():
+                holder.wte.weight.add_(1e-3)
+        try:
+            engine.check_tied_embeddings()
+            out[schedule] = ("no error", groups)
+        except RuntimeError as e:
+            out[schedule] = (str(e), groups)
+    return out
 
 
 def test_drifting_tied_embeddings_are_an_error_on_every_rank(data_cache):
-    for msg in run_world(_drift, 2, data_cache, pp=2):
-        assert "tied word embedding differs between the first and last pipeline stage" in msg
+    """1F1B (the copies on pp ranks 0 and 1) and zbv (both on pp rank 0, compared shard by shard): one copy
+    drifting is an error on every rank; a zbv step moves nothing over the embedding group."""
+    for out in run_world(_drift, 2, data_cache, pp=2):
+        for schedule, (msg, _) in out.items():
+            assert "tied word embedding differs between the first and last pipeline stage" in msg, schedule
+        assert "embedding" not in out["zbv"][1] and "pp" in out["zbv"][1], out["zbv"][1]
 
 
 def _dp_volume(ctx, cache: str):

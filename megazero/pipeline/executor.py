@@ -18,6 +18,9 @@ steps) skips it, leaving ``peak_activation_bytes`` None.
 work is stashed per (micro-batch, chunk), :mod:`megazero.tensor_parallel.weight_grad`) and a ``W`` action its
 ``backward_weight`` (gradients accumulated, ZeRO's hooks fire). The W stash's bytes (layer inputs and output
 gradients kept for the weight GEMMs, kept gradients of the small parameters) count as activations from B to W.
+
+Under ``zbv`` rank p - 1 runs two consecutive virtual stages (the V's turn): the activation its chunk 0 produces
+and the gradient its chunk 1 returns go straight into its inbox, with no transfer.
 """
 
 from __future__ import annotations

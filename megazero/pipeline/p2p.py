@@ -10,8 +10,13 @@ next action needs. In 1F1B's steady state that is Megatron-LM's send_forward_rec
 and send_backward_recv_forward after a backward. The interleaved schedule's ring (the last rank feeds the
 first) needs more: in its steady state a forward and the following backward form one unit, and one call
 between units sends both results and receives both inputs of the next unit (Megatron-LM's
-send_forward_backward_recv_forward_backward); per-action pairing deadlocks there at m >= 2pp. :func:`transfer_plan` computes these calls as a pure function of
-the timeline, so a test can replay every rank's plan under NCCL's rules
+send_forward_backward_recv_forward_backward); per-action pairing deadlocks there at m >= 2pp. zbv's V (rank r
+runs virtual stages r and 2p - 1 - r) sends chunk 0's activations up and chunk 1's down the same links, and a
+receiver consumes them in another order than its neighbour produces them, which no unit grouping repairs: its
+calls follow the list scheduler's ticks instead (one call per tick:
+:func:`~megazero.pipeline.schedules.transfer_ticks`), and the turn at rank p - 1 (chunk 0 to chunk 1, and its
+gradient back) stays in the process. :func:`transfer_plan` computes these calls as a pure function of the
+timeline, so a test can replay every rank's plan under NCCL's rules
 (:mod:`megazero.pipeline.p2p_replay`) without starting a process; ``paired=False`` gives the old one-op-per-
 call order as a negative case.
 
