@@ -367,7 +367,7 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
                                   last_stage=False)
     if v > 1:  # zbv's chunks: blocks by their (global) layer, the second chunk's other parameters apart
         numel = {(rest if rest.startswith("blocks.") or c == "0" else f"head.{rest}"): n
-                 for c, rest in (k.split(".", 1) for k in numel) for n in (numel[f"{c}.{rest}"],)}
+                 for (c, rest), n in ((k.split(".", 1), n) for k, n in numel.items())}
     # zbv's LM head has its own copy of the tied embedding on rank 0: no gradient held across the chunk
     gathered, released = _stage3_backward(numel, persistence_threshold, e, eg, dp_size, micro_batches,
                                           blocks_act, first, last and v == 1, pp_size)
