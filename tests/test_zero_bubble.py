@@ -301,7 +301,8 @@ ZB3_OVERLAP = [*PP_MODEL, "--pp", "2", "--dp", "2", *ZB, "--zero-stage", "3", "-
                "--micro-batch-size", "1", "--global-batch-size", "6"]
 ZBV_DP = [[*PP_MODEL, "--pp", "2", "--dp", "2", *ZBV, "--zero-stage", str(stage), "--train-steps", "4",
            "--micro-batch-size", "1", "--global-batch-size", "6", *extra]
-          for stage, extra in ((1, []), (2, ["--activation-checkpointing", "selective"]), (3, []))]
+          for stage, extra in ((1, []), (2, ["--activation-checkpointing", "selective"]), (3, []),
+                               (3, ["--overlap-comm"]))]
 
 
 def test_zero_reduces_in_w_and_gathers_only_in_f_and_b(references, data_cache, tmp_path):
@@ -311,7 +312,7 @@ def test_zero_reduces_in_w_and_gathers_only_in_f_and_b(references, data_cache, t
     1F1B's (stage 3: 3mΨ). A non-finite gradient in the step's last W (one rank) skips the step on every rank
     and leaves the weights as they were. In the same world, ZeRO 3 with --overlap-comm trains 4 steps as one
     process does (fp32 1e-5; without the persistent parameters' wait in W: 5e-3 off from step 2 on), and so
-    does zbv at ZeRO 1, 2 (selective recompute) and 3."""
+    does zbv at ZeRO 1, 2 (selective recompute) and 3 (with and without --overlap-comm)."""
     m = 3
     worlds = run_world(_zero_phases, 4, data_cache, m, str(tmp_path), [ZB3_OVERLAP, *ZBV_DP], pp=2)
     _check([w[3] for w in worlds], [((6, 4), f) for f in (ZB3_OVERLAP, *ZBV_DP)], references,
