@@ -61,7 +61,10 @@ class BucketedParams:
     * Gradients move into the flat buffers a bucket at a time, never a parameter at a time: a parameter's hook
       only files its fresh gradient under its bucket; once the bucket's last gradient of the backward has
       arrived (or the gradients it keeps alive reach :attr:`flush_numel` elements, the largest parameter's
-      size, so filing holds about one more parameter's gradient than copying each at once would) one
+      size, so filing holds about one more parameter's gradient than copying each at once would; in the
+      buckets holding a piece of the largest, the second largest's: there the largest's gradient, a GPT's tied
+      embedding whose three copies autograd makes at the end of backward, would find a pile of gradients as
+      large as itself waiting beside it at the step's peak) one
       ``torch._foreach_copy_`` (the step's first gradient; it casts bf16 to fp32) or ``_foreach_add_`` (later
       micro-batches) moves them all, so a step makes a few launches per bucket, not per parameter.
     * ``shard_gradients`` False (stages 0-1): one flat gradient buffer of Ψ elements, allocated once and never
@@ -181,7 +184,11 @@ class BucketedParams:
         # fresh gradients filed per bucket until flushed: (bucket) -> [(piece index, 1-D source)], their elements
         self._filed: list[list[tuple[int, torch.Tensor]]] = [[] for _ in self.buckets]
         self._filed_numel = [0] * len(self.buckets)
-        self.flush_numel = max((p.numel() for p in order), default=1)  # a bucket's filed gradients flush here
+        # a bucket's filed gradients flush here (class docstring): the largest parameter's size, the second
+        # largest's in the buckets holding a piece of the largest
+        sizes = sorted(p.numel() for p in order)
+        self.flush_numel = [sizes[-2] if len(sizes) > 1 and any(q.numel() == sizes[-1] for q in ps) else sizes[-1]
+                            for _, ps, _ in self.buckets]
         # stage 2: the staging pool (allocated on first use, never again) and the buckets using it
         self._pool_numel = max((lay.padded_numel for _, _, lay in self.buckets), default=0)
         self._pool: list[torch.Tensor] = []
@@ -275,7 +282,7 @@ class BucketedParams:
         p.grad = None
         for b, *_ in pieces:
             self._remaining[b] -= 1
-            if self._remaining[b] == 0 or self._filed_numel[b] >= self.flush_numel:
+            if self._remaining[b] == 0 or self._filed_numel[b] >= self.flush_numel[b]:
                 self._flush(b)
             if self._remaining[b] == 0:
                 if self.grad_flat is None:
