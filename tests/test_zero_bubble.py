@@ -1,10 +1,13 @@
-"""Zero-bubble pipeline schedules (issue 29): the split backward B/W, ZB-H1's timeline, parity, ZeRO, bubble.
+"""Zero-bubble pipeline schedules (issue 29): the split backward B/W, the ZB-H1 and ZB-V timelines, parity,
+ZeRO, checkpoints, bubble and memory.
 
-Parity worlds are packed (DESIGN.md, Testing): pp 2 runs several micro-batch counts, recompute modes and Llama
-in one 2-rank world; pp 4 one 4-rank world; tp 2 + SP x pp 2 x dp 2 at ZeRO 1, 2 and 3 one 8-rank world;
-cp 2 x pp 2 (GPT-2 and Llama) one 4-rank world. Every run is held to the independent one-process reference
-(tests/reference.py: Hugging Face GPT-2 or Llama, torch AdamW) on losses, the final evaluation loss and the
-final weights, fp32 1e-5.
+Parity worlds are packed (DESIGN.md, Testing), each running zb-h1 and zbv (two chunks per rank in a V, the first
+and last stage on rank 0): pp 2 runs several micro-batch counts, recompute modes and Llama in one 2-rank world;
+pp 4 one 4-rank world; tp 2 + SP x pp 2 x dp 2 at ZeRO 1, 2 and 3 one 8-rank world; pp 2 x dp 2 (zbv at ZeRO
+1-3) one 4-rank world; cp 2 x pp 2 (GPT-2 and Llama) one 4-rank world. Every run is held to the independent
+one-process reference (tests/reference.py: Hugging Face GPT-2 or Llama, torch AdamW) on losses, the final
+evaluation loss and the final weights, fp32 1e-5. Bubble and activation memory come from one 4-rank world of
+real pp 4 steps.
 """
 
 from __future__ import annotations
