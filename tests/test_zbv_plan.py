@@ -133,9 +133,9 @@ def test_estimated_activations_match_a_zbv_run(data_cache):
 def test_dry_run_of_zbv_agrees_with_the_estimate(tmp_path):
     """The dry run (meta, every rank role, the real executor) runs zbv at pp 4: the recorded point-to-point calls
     replay under NCCL's rules, the bubble is the zbv timeline's, the report names the schedule, rank 0 alone
-    holds the vocabulary, and each role's peak is within 4% of the estimate (bf16, ZeRO 1, CUDA's kernels; measured
-    -2.3, -2.5, -2.7, -3.0%: the estimate of zb-h1's split backward misses by as much on this model, -1.9..-3.2%),
-    where the zb-h1 layout's estimate (rank 0 without the head, rank 3 with it) misses by more than 20%."""
+    holds the vocabulary, and each role's peak is within 2% of the estimate (bf16, ZeRO 1, CUDA's kernels; measured
+    -1.0, +0.0, -0.3, -0.5%; -2.3..-3.0% without the output gradients a B holds beside the activations it has not
+    freed yet), where the zb-h1 layout's estimate (rank 0 without the head, rank 3 with it) misses by > 10%."""
     from megazero.config.cli import parse_args
     from megazero.plan.dryrun import dry_run, format_report
 
@@ -153,9 +153,9 @@ def test_dry_run_of_zbv_agrees_with_the_estimate(tmp_path):
     for r in report.roles:
         est = peak_bytes(cfg.model, 1, stage=1, dp_size=1, pp_size=4, pp_rank=r.pp_rank, precision="bf16",
                          micro_batches=m, schedule="zbv").total
-        assert abs(est - r.peak_bytes) / r.peak_bytes < 0.04, (r.pp_rank, est, r.peak_bytes)
+        assert abs(est - r.peak_bytes) / r.peak_bytes < 0.02, (r.pp_rank, est, r.peak_bytes)
         assert r.step_seconds["total_s"] > 0
         if r.pp_rank in (0, 3):
             h1 = peak_bytes(cfg.model, 1, stage=1, dp_size=1, pp_size=4, pp_rank=r.pp_rank, precision="bf16",
                             micro_batches=m, schedule="zb-h1").total
-            assert abs(h1 - r.peak_bytes) / r.peak_bytes > 0.2, (r.pp_rank, h1, r.peak_bytes)
+            assert abs(h1 - r.peak_bytes) / r.peak_bytes > 0.1, (r.pp_rank, h1, r.peak_bytes)

@@ -204,6 +204,16 @@ def in_flight_micro_batches(pp_size: int, pp_rank: int, schedule: str = "1f1b", 
     return max(1, min(pp_size - pp_rank, micro_batches))
 
 
+def _grad_outputs_per_token(model: ModelConfig, tp_size: int) -> float:
+    """Elements per token of one block's four linears' output gradients on a rank (what W keeps beside their
+    inputs): this rank's q, k, v rows (its query heads and its K/V heads: one, shared by tp / kv ranks, when tp >
+    kv), the projection's full h, the MLP's up (SwiGLU: gate|up) rows, the down projection's full h."""
+    h, t = model.hidden_size, tp_size
+    qkv = h / t + 2 * max(model.kv_heads // t, 1) * model.head_dim
+    up = 2 * model.ffn_hidden_size if model.arch == "llama" else model.ffn_hidden_size
+    return qkv + h + up / t + h
+
+
 def weight_stash_bytes(model: ModelConfig, micro_batch: int, *, tp_size: int = 1, sequence_parallel: bool = False,
                        precision: str = "bf16", layers: int, first_stage: bool, last_stage: bool) -> float:
     """What a zero-bubble B leaves for its W, per micro-batch (``megazero/tensor_parallel/weight_grad.py``):
@@ -213,10 +223,7 @@ def weight_stash_bytes(model: ModelConfig, micro_batch: int, *, tp_size: int = 1
     e, t = ELEMENT_BYTES[precision], tp_size
     sp = t if sequence_parallel and t > 1 else 1
     s, b, h, f = model.seq_len, micro_batch, model.hidden_size, model.ffn_hidden_size
-    # this rank's q, k, v rows: its query heads and its K/V heads (one, shared by tp / kv ranks, when tp > kv)
-    qkv = h / t + 2 * max(model.kv_heads // t, 1) * model.head_dim
-    up = 2 * f if model.arch == "llama" else f  # SwiGLU's gate|up GEMM
-    per_token = (h / sp + qkv) + (h / t + h) + (h / sp + up / t) + (f / t + h)
+    per_token = (h / sp + h / t + h / sp + f / t) + _grad_outputs_per_token(model, t)  # inputs, output gradients
     out = layers * per_token * s * b
     if first_stage:
         out += s * b * h + (0 if model.arch == "llama" else s * h)
@@ -340,7 +347,8 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
                   fused_norm=fused_norm)
     acts = [activation_bytes(model, micro_batch, **common, layers=len(sp.layers), first_stage=sp.pre_process,
                              last_stage=sp.post_process) for sp in specs]
-    if schedule in SPLIT_SCHEDULES and pp_size > 1:  # the stashed W inputs count too
+    split = schedule in SPLIT_SCHEDULES and pp_size > 1
+    if split:  # the stashed W inputs count too
         stashes = [weight_stash_bytes(model, micro_batch, tp_size=tp_size, sequence_parallel=sequence_parallel,
                                       precision=precision, layers=len(sp.layers), first_stage=sp.pre_process,
                                       last_stage=sp.post_process) for sp in specs]
@@ -361,6 +369,9 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
     sp = tp_size if sequence_parallel and tp_size > 1 else 1
     # the LM head input's gradient (last stage), or the gradient received from the next stage (the others)
     transient = recompute_bytes(model, micro_batch, **common) + e * max(sizes) + e * s * micro_batch * h / sp
+    if split:  # inside a B each layer's output gradients, kept for W, appear before its saved tensors are freed:
+        # one layer's on top of what the rank held as that B began (later layers free more than they add)
+        transient += e * s * micro_batch * _grad_outputs_per_token(model, tp_size)
     if stage != 3:
         return PeakEstimate(states, act, comm, transient, 3 * e * max(sizes))
     blocks_act = activation_bytes(model, micro_batch, **common, layers=n_layers, first_stage=False,
