@@ -38,6 +38,8 @@ from megazero.config.schema import ModelConfig
 from megazero.distributed.group import Group
 from megazero.model.cache import KVCache
 from megazero.model.gpt import GPT
+from megazero.pipeline.p2p import stage_holder
+from megazero.pipeline.schedules import virtual_stage
 from megazero.tensor_parallel.layers import shard_full_tensor, tp_size_rank
 
 __all__ = ["CP_REFUSAL", "SamplingConfig", "TextCodec", "generate_ids", "generate_samples", "load_model",
@@ -87,23 +89,39 @@ def sample_next(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Gene
 
 
 def _pipeline_forward(chunks: list[GPT], ids: torch.Tensor, cache: KVCache | None,
-                      pp_group: Group | None) -> torch.Tensor | None:
-    """Run the new positions through every stage; the last stage returns the full, unpadded fp32 logits
-    [B, S, vocab] (gathered over TP), other ranks None."""
+                      pp_group: Group | None, schedule: str = "") -> torch.Tensor | None:
+    """Run the new positions through every stage; the rank holding the last stage returns the full, unpadded
+    fp32 logits [B, S, vocab] (gathered over TP), other ranks None.
+
+    Each rank runs its chunks in chunk order, which is the order of its virtual stages under every layout
+    (:func:`~megazero.pipeline.schedules.virtual_stage`): interleaved chunks hand over to rank + 1, ``zbv``'s
+    second chunk to rank - 1, and the V's turn at the last rank stays on the rank. Sends are asynchronous and a
+    stage only waits on a lower stage, so no rank waits in a cycle."""
     pp_size, pp_rank = tp_size_rank(pp_group)
-    out, sends = None, []
-    for chunk in chunks:  # chunk v is global stage v * pp + pp_rank; every rank runs them in that order
+    v = len(chunks)
+
+    def rank_of(stage: int) -> int:
+        return stage_holder(schedule, pp_size, v, stage)[0]
+
+    out, sends, handoff = None, [], None
+    for c, chunk in enumerate(chunks):
+        vs = virtual_stage(schedule, pp_size, pp_rank, c)
         if chunk.pre_process:
             x = ids
+        elif rank_of(vs - 1) == pp_rank:  # the V's turn: the previous stage ran on this rank
+            x = handoff
         else:
             ref = chunk.blocks[next(iter(chunk.blocks))].ln_1.weight if chunk.blocks else chunk.ln_f.weight
             x = torch.empty((*ids.shape, chunk.cfg.hidden_size), dtype=ref.dtype, device=ref.device)
-            pp_group.recv(x, src=(pp_rank - 1) % pp_size)
+            pp_group.recv(x, src=rank_of(vs - 1))
         if chunk.post_process:
             out = chunk.full_logits(x, cache).float()
         else:
             y = chunk(x, cache=cache).contiguous()  # [B, S, H]
-            sends.append((pp_group.isend(y, dst=(pp_rank + 1) % pp_size, tag="other"), y))
+            if rank_of(vs + 1) == pp_rank:
+                handoff = y
+            else:
+                sends.append((pp_group.isend(y, dst=rank_of(vs + 1), tag="other"), y))
     for work, _ in sends:
         work.wait()
     return out
@@ -124,14 +142,17 @@ def _eval_mode(chunks: list[GPT]) -> Iterator[None]:
 
 @torch.no_grad()
 def generate_ids(chunks: GPT | list[GPT], prompt: list[int], cfg: SamplingConfig, pp_group: Group | None = None,
-                 use_cache: bool = True, eos_id: int | None = None, vocab_size: int | None = None) -> list[int]:
+                 use_cache: bool = True, eos_id: int | None = None, vocab_size: int | None = None,
+                 schedule: str = "") -> list[int]:
     """New token ids after ``prompt`` (one sequence). Collective over this replica's TP and PP groups: every
     rank of the replica calls it with the same arguments and gets the same tokens.
 
     ``vocab_size``: the tokenizer's entries; logits of the embedding rows beyond them (a checkpoint that pads its
     vocabulary, as Qwen2 and Pythia do) are never sampled, greedy or not. None: every row of the model.
 
-    ``chunks``: this rank's model chunks in order (one :class:`GPT` holding every layer without pipelining).
+    ``chunks``: this rank's model chunks in order (one :class:`GPT` holding every layer without pipelining);
+    ``schedule`` the pipeline schedule they were built for (``zbv`` places them in a V; any other name, or
+    none, the interleaved order).
     Without ``use_cache`` every step runs the whole sequence again through the training forward (a reference
     for the cache).
     """
@@ -146,7 +167,9 @@ def generate_ids(chunks: GPT | list[GPT], prompt: list[int], cfg: SamplingConfig
                          f"model's context of {mcfg.seq_len} positions; shorten the prompt or ask for fewer tokens")
     device = next(chunks[0].parameters()).device
     tp_group = chunks[0].tp_group
-    pp_last = (pp_group.size - 1) if pp_group is not None else 0
+    # the rank holding the last stage: rank 0 for zbv's V, the last rank otherwise
+    pp_last = 0 if pp_group is None else stage_holder(schedule, pp_group.size, len(chunks),
+                                                      pp_group.size * len(chunks) - 1)[0]
     generator = torch.Generator(device).manual_seed(cfg.seed) if cfg.temperature > 0 else None
     cache = KVCache(mcfg.seq_len) if use_cache else None
     tokens, new = list(prompt), []
@@ -154,7 +177,7 @@ def generate_ids(chunks: GPT | list[GPT], prompt: list[int], cfg: SamplingConfig
         for _ in range(cfg.max_new_tokens):
             fed = cache.length if cache is not None else 0  # positions the cache holds already
             ids = torch.tensor([tokens[fed:]], dtype=torch.long, device=device)
-            logits = _pipeline_forward(chunks, ids, cache, pp_group)
+            logits = _pipeline_forward(chunks, ids, cache, pp_group, schedule)
             token = torch.zeros(1, dtype=torch.long, device=device)
             if logits is not None:
                 token = sample_next(logits[:, -1, :vocab_size], cfg, generator)
@@ -189,7 +212,7 @@ def generate_samples(engine: Any, tokenizer: Any, prompts: list[str], max_new_to
     for prompt in prompts:  # ZeRO-3: the model's own hooks gather block by block (module docstring)
         ids = tokenizer.encode(prompt)[-(seq_len - n_new):] or [tokenizer.eos_id]
         new = generate_ids(engine.chunks, ids, SamplingConfig(n_new, temperature=0), engine.ctx.pp_group,
-                           eos_id=tokenizer.eos_id, vocab_size=tokenizer.vocab_size)
+                           eos_id=tokenizer.eos_id, vocab_size=tokenizer.vocab_size, schedule=engine.schedule)
         out.append({"prompt": prompt, "text": tokenizer.decode(new), "ids": new})
     return out
 

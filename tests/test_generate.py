@@ -248,3 +248,38 @@ def test_parallel_decoding_equals_one_process(trained, tmp_path) -> None:
     recs = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
     tables = check_dashboard(log, recs, 2)
     assert tables["samples"]["data"] == [[STEPS + 2, s["prompt"], s["text"]] for s in ref[0][1]]
+
+
+def _v_and_interleaved(ctx) -> dict:
+    """Each rank builds its two chunks of a 4-layer model in zbv's V and in the interleaved order, loads them from
+    the one-process model's weights, and decodes greedily and sampled."""
+    from megazero.distributed.context import ParallelContext, RankGrid
+    from megazero.pipeline.partition import stage_specs
+
+    pc = ParallelContext.from_grid(RankGrid.from_world(2, pp_size=2))
+    cfg = ModelConfig(num_layers=4, hidden_size=64, num_heads=4, seq_len=32, vocab_size=500)
+    full = GPT(cfg)
+    init_parameters(full, seed=0)
+    weights = full.state_dict()
+    out = {}
+    for schedule in ("zbv", "interleaved"):
+        chunks = []
+        for s in stage_specs(cfg.num_layers, 2, pc.pp_rank, 2, schedule=schedule):
+            chunk = GPT(cfg, layers=s.layers, pre_process=s.pre_process, post_process=s.post_process)
+            chunk.load_state_dict({k: weights[k] for k in chunk.state_dict()})
+            chunks.append(chunk)
+        out[schedule] = [generate_ids(chunks, [3, 1, 4, 1, 5], sampling, pc.pp_group, schedule=schedule)
+                         for sampling in (SamplingConfig(8, temperature=0), SamplingConfig(8, 0.9, 20, seed=3))]
+    return out
+
+
+def test_pipelined_decoding_in_the_v_and_interleaved() -> None:
+    """Decoding through two chunks per rank, placed in zbv's V (rank 0 holds the first and the last stage, the turn
+    at rank 1 stays on the rank) and in the interleaved order, gives one process's tokens on every rank."""
+    cfg = ModelConfig(num_layers=4, hidden_size=64, num_heads=4, seq_len=32, vocab_size=500)
+    model = GPT(cfg)
+    init_parameters(model, seed=0)
+    want = [generate_ids(model, [3, 1, 4, 1, 5], sampling)
+            for sampling in (SamplingConfig(8, temperature=0), SamplingConfig(8, 0.9, 20, seed=3))]
+    for r in run_world(_v_and_interleaved, 2):
+        assert r == {"zbv": want, "interleaved": want}

@@ -57,7 +57,7 @@ def _check(results, runs, references, what: str) -> None:
 # -- configuration: zbv's two chunks per rank ----------------------------------------------------------------
 def test_zbv_config_runs_two_chunks_in_a_v():
     """--pp-schedule zbv takes --virtual-stages 1 (left out) or 2 and runs 2 chunks per rank whatever it says;
-    it needs 2 pp layers, a 2 pp-entry --pp-layout, no --compile and (for now) no --sample-prompts; the recipe
+    it needs 2 pp layers, a 2 pp-entry --pp-layout, and no --compile; the recipe
     gives rank r the chunks of virtual stages r and 2 pp - 1 - r (the first and the last stage on rank 0)."""
     from types import SimpleNamespace
 
@@ -78,8 +78,7 @@ def test_zbv_config_runs_two_chunks_in_a_v():
     for extra, match in ((["--virtual-stages", "3"], "--pp-schedule zbv runs 2 model chunks.*--virtual-stages 3"),
                          (["--num-layers", "3"], "--num-layers 3 is fewer than the 4 pipeline chunks"),
                          (["--pp-layout", "2,2"], "--pp-layout 2,2 needs 4 entries"),
-                         (["--compile"], "--compile with --pp-schedule zbv"),
-                         (["--sample-prompts", __file__], "--sample-prompts with --pp-schedule zbv")):
+                         (["--compile"], "--compile with --pp-schedule zbv")):
         with pytest.raises(ConfigError, match=match):
             parse_args([*base, *extra]).resolve(2)
     assert parse_args([*base, "--zero-stage", "1"]).resolve(2, device_type="cuda").training.compile is False

@@ -130,10 +130,6 @@ def resolve_config(cfg: Cfg, world_size: int, device_type: str = "cpu") -> Cfg:
                  f"--pp-layout {','.join(map(str, p.pp_layout))} needs {chunks} entries (one per pipeline chunk:"
                  f" --pp x {'2 (zbv)' if zbv else '--virtual-stages'}), each >= 1, summing to --num-layers "
                  f"{m.num_layers}")
-    _require(not zbv or cfg.logging.sample_prompts is None, "--sample-prompts with --pp-schedule zbv is not "
-             "supported yet (generation runs a rank's chunks in the interleaved order, not the V); drop "
-             "--sample-prompts, or sample from a saved checkpoint with tools/generate.py (checkpoints do not depend "
-             "on the schedule)")
     _require(p.virtual_stages == 1 or p.pp_schedule in ("interleaved", "zbv"),
              f"--virtual-stages {p.virtual_stages} needs --pp-schedule interleaved")
     _require(p.pp_schedule != "interleaved" or p.pp_size == 1 or p.virtual_stages >= 2,

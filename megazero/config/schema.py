@@ -156,7 +156,7 @@ class ParallelConfig:
     cp_size: int = 1  # context parallel: each sample's sequence split over cp ranks (2·cp load-balanced chunks)
     cp_attention: str = "ring"  # ring | allgather: how attention sees the whole split sequence
     sequence_parallel: bool = False
-    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1 | zbv
     virtual_stages: int = 1
     pp_layout: list[int] | None = None  # layers per (virtual) stage; None: balanced
     backend: str | None = None  # None: nccl on CUDA, gloo on CPU
