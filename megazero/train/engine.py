@@ -121,9 +121,12 @@ class Engine:
             rel = (sums[0] / sums[1].clamp_min(1e-60)).sqrt().reshape(1)
         else:
             for ps in self.optimizer.gathered_units(self.tied):  # ZeRO-3: the embedding's own units, one at a time
-                for w in ps:
-                    first, last = self.ctx.embedding_group.all_gather_list(w.detach().double().contiguous())
-                    rel = torch.maximum(rel, (last - first).norm() / first.norm().clamp_min(1e-30))
+                for w in ps:  # in pieces of 2^20 elements: fp64 copies of the whole table held 4x its fp32 bytes
+                    flat, sq = w.detach().reshape(-1), torch.zeros(2, dtype=torch.float64, device=world.device)
+                    for a in range(0, flat.numel(), 1 << 20):
+                        first, last = self.ctx.embedding_group.all_gather_list(flat[a: a + (1 << 20)].double())
+                        sq += torch.stack([(last - first).square().sum(), first.square().sum()]).to(sq.device)
+                    rel = torch.maximum(rel, (sq[0] / sq[1].clamp_min(1e-60)).sqrt().reshape(1))
         world.all_reduce(rel, op="max")
         value = device_io.read(rel)[0]
         if value > rtol:
