@@ -12,7 +12,7 @@ stage's figure relative to stage 0's. ``--env K=V`` adds to the ranks' environme
 
 ``--eval`` (issue 31, item 2) measures instead what evaluation adds at ZeRO-3: each ``--layouts`` entry (``dp4``;
 ``pp2``: pp 2 x dp 2, 1F1B; ``pp2i``: pp 2 x dp 2, interleaved, two chunks of 2 + 1 layers per rank) trains the
-49M GPT with global batch 8 (2 micro-batches per step at dp 2) with and without an evaluation of 2 batches
+49M GPT with global batch 8 (4 micro-batches per step at dp 2) with and without an evaluation of 2 batches
 after the last step (``--eval-interval 5 --eval-iters 2``), and the table gives the peak RSS with over without.
 
     python bench/zero_rss.py --eval --reps 3
