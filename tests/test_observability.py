@@ -331,3 +331,38 @@ def test_estimate_cli_splits_pipeline_stages():
     assert [row[1] for row in rows[:4]] == ["0", "1", "2", "3"] and rows[12][0] == "*3"
     psi0 = sum(rank_parameter_numels(model, 2, 4, 0).values())
     assert rows[0][3] == f"{psi0 / 1e6:.4g}M" and "host" in r.stdout
+
+
+def test_estimate_cli_follows_the_chunks_of_zbv_and_interleaved():
+    """``--pp-schedule zbv`` and ``interleaved --virtual-stages 2``: one row per rank with its chunks' layers,
+    Ψ_r equal to the parameters of the chunks GPT builds there (on meta; zbv's rank 0 carries the embeddings and
+    the final norm and the tied head copy, rank p - 1 blocks only), and a step peak per rank. A schedule the
+    tool cannot place (interleaved without --virtual-stages) is a usage error naming the flag."""
+    import torch
+
+    from megazero.model.gpt import GPT
+    from megazero.pipeline.partition import stage_specs
+
+    model = ModelConfig(num_layers=8, hidden_size=64, num_heads=4, seq_len=32, vocab_size=500)
+    shape = ["--num-layers", "8", "--hidden-size", "64", "--num-heads", "4", "--seq-len", "32", "--vocab-size", "500"]
+    for schedule, extra, layers in (("zbv", [], ["0,7", "1,6", "2,5", "3,4"]),
+                                    ("interleaved", ["--virtual-stages", "2"], ["0,4", "1,5", "2,6", "3,7"])):
+        r = subprocess.run([sys.executable, str(ROOT / "tools" / "estimate_memory.py"), *shape, "--pp", "4",
+                            "--pp-schedule", schedule, *extra, "--micro-batches", "8", "--units", "MB"],
+                           capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert r.returncode == 0, r.stderr
+        rows = [line.split() for line in r.stdout.splitlines() if line[:2] in (" 0", " 1", " 2", " 3")]
+        assert len(rows) == 16 and [row[1] for row in rows[:4]] == ["0", "1", "2", "3"], r.stdout
+        assert [row[2] for row in rows[:4]] == layers, r.stdout
+        for rank in range(4):
+            with torch.device("meta"):
+                built = [GPT(model, layers=s.layers, pre_process=s.pre_process, post_process=s.post_process)
+                         for s in stage_specs(8, 4, rank, 2, schedule=schedule)]
+            names = {n for chunk in built for n, _ in chunk.named_parameters()}
+            psi = sum(p.numel() for chunk in built for p in chunk.parameters())
+            assert rows[rank][3] == (f"{psi / 1e3:.4g}K" if psi < 1e6 else f"{psi / 1e6:.4g}M"), (schedule, rank)
+            if schedule == "zbv":
+                assert ({"wte.weight", "wpe.weight", "ln_f.weight"} <= names) == (rank == 0), (rank, names)
+    bad = subprocess.run([sys.executable, str(ROOT / "tools" / "estimate_memory.py"), *shape, "--pp", "4",
+                          "--pp-schedule", "interleaved"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert bad.returncode == 2 and "--virtual-stages" in bad.stderr, bad.stderr

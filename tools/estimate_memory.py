@@ -4,10 +4,13 @@
     python tools/estimate_memory.py --model gpt2-350m --dp 8 --micro-batch-size 8
     python tools/estimate_memory.py --model gpt2-1.3b --tp 2 --pp 4 --dp 4 --sequence-parallel \\
         --activation-checkpointing full --zero-stage 1
+    python tools/estimate_memory.py --model gpt2-350m --pp 4 --pp-schedule zbv --micro-batches 8
 
 Prints one row per ZeRO stage (and per pipeline stage where they differ): Ψ_r, the parameters the rank holds
 (its TP shard of its pipeline stage, replicated pieces in full), the model-state bytes as megazero holds them
-(params, grads, fp32 master copy, Adam moments) and the activation bytes of the micro-batches in flight.
+(params, grads, fp32 master copy, Adam moments) and the activation bytes of the micro-batches in flight. Under
+the interleaved schedule (``--virtual-stages``) and zbv (two chunks per rank in a V) a rank's layers,
+parameters and activations are those of its real chunks (:func:`megazero.pipeline.partition.stage_specs`).
 Figures are decimal GB (1e9 bytes, as the ZeRO paper) unless ``--units`` says otherwise. The arithmetic lives
 in :mod:`megazero.plan.estimate`; ``metrics.jsonl`` records the same quantities measured on a real run.
 """
@@ -23,7 +26,10 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megazero.config.resolve import chunks_per_rank
 from megazero.config.schema import PRESETS, ConfigError, ZeroConfig, model_preset
+from megazero.pipeline.partition import stage_specs
+from megazero.pipeline.schedules import SCHEDULES, SPLIT_SCHEDULES, build_schedule
 from megazero.plan.estimate import (
     activation_bytes,
     in_flight_micro_batches,
@@ -33,7 +39,6 @@ from megazero.plan.estimate import (
     peak_bytes,
     rank_parameter_numels,
     recompute_bytes,
-    stage_layers,
 )
 
 __all__ = ["build_parser", "estimate", "main"]
@@ -74,8 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--partition-activations", action="store_true",
                    help="full checkpointing keeps each layer input split over the TP ranks")
     g.add_argument("--cpu-checkpointing", action="store_true", help="checkpointed inputs kept in host memory")
-    g.add_argument("--pp-schedule", choices=("1f1b", "gpipe"), default="1f1b",
-                   help="decides how many micro-batches a stage holds (default 1f1b)")
+    g.add_argument("--pp-schedule", choices=SCHEDULES, default="1f1b",
+                   help="decides how many micro-batches a stage holds and (interleaved, zbv) which layers a rank's"
+                   " chunks hold (default 1f1b)")
+    g.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                   help="interleaved: model chunks per rank (>= 2); zbv always runs 2 (default 1)")
     g.add_argument("--micro-batches", type=int, metavar="M", help="micro-batches per step (default: pp)")
     g.add_argument("--unfused-attention", action="store_true",
                    help="attention materialises the softmax (math SDPA) instead of a fused kernel")
@@ -115,24 +123,50 @@ def estimate(args: argparse.Namespace) -> str:
     m_count = args.micro_batches or args.pp
     mixed = args.precision != "fp32"
 
-    # per pipeline stage: (Ψ_r numels, activations per micro-batch, micro-batches in flight, layers)
+    if args.virtual_stages != 1 and args.pp_schedule not in ("interleaved", "zbv"):
+        raise ConfigError(f"--virtual-stages {args.virtual_stages} needs --pp-schedule interleaved (zbv runs 2 "
+                          "chunks per rank by itself)")
+    if args.pp > 1:  # the schedule's own checks (interleaved: V >= 2 and m a multiple of pp; zbv: V 1 or 2)
+        if args.pp_schedule == "zbv" and args.virtual_stages not in (1, 2):
+            raise ConfigError(f"--pp-schedule zbv runs 2 model chunks per rank; leave --virtual-stages at 1 or give"
+                              f" 2, not {args.virtual_stages}")
+        build_schedule(args.pp_schedule, args.pp, 0, m_count, chunks_per_rank(args.pp_schedule, args.pp,
+                                                                               args.virtual_stages))
+    v = chunks_per_rank(args.pp_schedule, args.pp, args.virtual_stages)
+    vee = args.pp_schedule if v > 1 else ""  # the placement of a rank's chunks (zbv: the V)
+    timeline = v > 1 or (args.pp_schedule in SPLIT_SCHEDULES and args.pp > 1)
+
+    # per pipeline rank: (Ψ_r numels, activations held at once, micro-batches in flight, its chunks' layers)
     per_stage = []
     for r in range(args.pp):
         if model is None:
-            per_stage.append(([args.params / (args.tp * args.pp)], None, 1, None, 0.0))
+            per_stage.append(([args.params / (args.tp * args.pp)], None, 1, None))
             continue
-        layers = stage_layers(model.num_layers, args.pp)[r]
-        numels = list(rank_parameter_numels(model, args.tp, args.pp, r).values())
+        if model.num_layers < args.pp * v:
+            raise ConfigError(f"--num-layers {model.num_layers} is fewer than the {args.pp * v} (virtual) pipeline "
+                              "stages; lower --pp/--virtual-stages or add layers")
+        specs = stage_specs(model.num_layers, args.pp, r, v, schedule=vee)
+        numels = list(rank_parameter_numels(model, args.tp, args.pp, r, virtual_stages=v, schedule=vee).values())
         common = dict(tp_size=args.tp, sequence_parallel=args.sequence_parallel, precision=args.precision,
                       checkpointing=args.activation_checkpointing)
-        act = activation_bytes(model, args.micro_batch_size, **common, layers=len(layers), first_stage=r == 0,
-                               last_stage=r == args.pp - 1, fused_attention=not args.unfused_attention,
-                               partition_activations=args.partition_activations,
-                               cpu_checkpointing=args.cpu_checkpointing)
+        if timeline:  # each chunk's micro-batches from F to B (and W) as the rank's timeline holds them
+            held = peak_bytes(model, args.micro_batch_size, stage=0, dp_size=1, tp_size=args.tp, pp_size=args.pp,
+                              pp_rank=r, precision=args.precision, checkpointing=args.activation_checkpointing,
+                              sequence_parallel=args.sequence_parallel, micro_batches=m_count,
+                              schedule=args.pp_schedule, fused_attention=not args.unfused_attention,
+                              virtual_stages=v).activations
+            k = 1
+        else:
+            held = activation_bytes(model, args.micro_batch_size, **common, layers=len(specs[0].layers),
+                                    first_stage=r == 0, last_stage=r == args.pp - 1,
+                                    fused_attention=not args.unfused_attention,
+                                    partition_activations=args.partition_activations,
+                                    cpu_checkpointing=args.cpu_checkpointing)
+            k = in_flight_micro_batches(args.pp, r, args.pp_schedule, m_count)
+            held *= k
         # the stashed micro-batches, plus (with recomputation) the one layer being recomputed, once per rank
-        extra = recompute_bytes(model, args.micro_batch_size, **common, fused_attention=not args.unfused_attention)
-        k = in_flight_micro_batches(args.pp, r, args.pp_schedule, m_count)
-        per_stage.append((numels, act, k, layers, extra))
+        held += recompute_bytes(model, args.micro_batch_size, **common, fused_attention=not args.unfused_attention)
+        per_stage.append((numels, held, k, [sp.layers for sp in specs]))
 
     header = ["ZeRO", "pp stage", "layers", "Ψ_r", "params", "grads", "master", "optim states", "model states",
               "activations", "total", "step peak"]
@@ -141,10 +175,9 @@ def estimate(args: argparse.Namespace) -> str:
     rows = []
     for stage in range(4):
         groups: list[tuple[list[int], list[str]]] = []
-        for r, (numels, act, k, _layers, extra) in enumerate(per_stage):
+        for r, (numels, acts, k, _layers) in enumerate(per_stage):
             ms = model_state_bytes(numels, stage, args.dp, args.precision, args.persistence_threshold,
                                    args.offload_optimizer, args.offload_param and stage == 3, args.grad_dtype)
-            acts = None if act is None else act * k + extra
             cells = [_count(sum(numels)), _size(ms.params, unit), _size(ms.grads, unit),
                      _size(ms.master_params, unit), _size(ms.optimizer_states, unit), _size(ms.device, unit),
                      _size(acts, unit) + (f" ({k} mb)" if k > 1 else "")]
@@ -157,9 +190,9 @@ def estimate(args: argparse.Namespace) -> str:
                 sequence_parallel=args.sequence_parallel, micro_batches=m_count, schedule=args.pp_schedule,
                 offload_optimizer=args.offload_optimizer, offload_param=args.offload_param,
                 persistence_threshold=args.persistence_threshold,
-                fused_attention=not args.unfused_attention).total
+                fused_attention=not args.unfused_attention, virtual_stages=v).total
             cells.append(_size(peak, unit))
-            if groups and groups[-1][1] == cells:
+            if groups and groups[-1][1] == cells and v == 1:  # chunks: one row per rank
                 groups[-1][0].append(r)
             else:
                 groups.append(([r], cells))
@@ -167,7 +200,8 @@ def estimate(args: argparse.Namespace) -> str:
         for ranks, cells in groups:
             pp_cell = "all" if len(ranks) == args.pp else _ranges(ranks)
             first, last = per_stage[ranks[0]][3], per_stage[ranks[-1]][3]
-            layers = "-" if first is None else _ranges([first[0], last[-1]])
+            layers = ("-" if first is None else _ranges([first[0][0], last[-1][-1]]) if v == 1
+                      else ",".join(_ranges(sorted({c[0], c[-1]})) for c in first))
             rows.append([f"{mark}{stage}", pp_cell, layers, *cells])
 
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
@@ -186,7 +220,8 @@ def estimate(args: argparse.Namespace) -> str:
                      f"{_count(model.num_parameters())} parameters")
     lines.append(f"grid: tp {args.tp} x pp {args.pp} x dp {args.dp} = {args.tp * args.pp * args.dp} ranks; "
                  f"{args.precision}; micro-batch {args.micro_batch_size}"
-                 + (f", {m_count} per step ({args.pp_schedule})" if args.pp > 1 else "")
+                 + (f", {m_count} per step ({args.pp_schedule}"
+                    + (f", {v} chunks per rank" if v > 1 else "") + ")" if args.pp > 1 else "")
                  + f"; activation checkpointing {args.activation_checkpointing}"
                  + ("; sequence parallel" if args.sequence_parallel else ""))
     lines += ["", *table, ""]
@@ -213,7 +248,9 @@ def estimate(args: argparse.Namespace) -> str:
         ours = activation_bytes(model, b, layers=2, **kw) - activation_bytes(model, b, layers=1, **kw)
         notes.append(
             "activations: bytes saved for backward by one micro-batch (metrics.jsonl's activation_peak_bytes "
-            "measures the same), times the micro-batches a stage holds at once (1F1B: pp - stage; GPipe: all). "
+            "measures the same), times the micro-batches a stage holds at once (1F1B: pp - stage; GPipe: all; "
+            "interleaved, zb-h1, zbv: the most the rank's timeline holds, chunk by chunk, between F and B and, "
+            "for zb-h1 and zbv, the W stashes between B and W: megazero.plan.estimate.peak_bytes). "
             f"Per layer here {_size(ours, unit)} {args.units} (CUDA's kernels; megazero.plan.activations); "
             f"Korthikanti et al.'s GPT figure, sbh(34 + 5as/h), gives "
             f"{_size(paper, unit)} {args.units} (16-bit, dropout masks, unfused attention; Megatron saves the "

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megazero.config.precision import ELEMENT_BYTES
+from megazero.config.resolve import chunks_per_rank
 from megazero.config.schema import ModelConfig, ZeroConfig
 from megazero.pipeline.partition import partition_layers, stage_specs
 from megazero.pipeline.schedules import SPLIT_SCHEDULES, build_schedule
@@ -232,11 +233,12 @@ def weight_stash_bytes(model: ModelConfig, micro_batch: int, *, tp_size: int = 1
     return e * out
 
 
-def _split_schedule_activations(schedule: str, pp_size: int, pp_rank: int, micro_batches: int,
-                                acts: Sequence[float], stashes: Sequence[float]) -> float:
-    """The most bytes a rank of a split schedule holds between F and W: its timeline replayed with ``acts[c]``
-    per micro-batch of chunk ``c`` from F to B and ``stashes[c]`` from B to W (one chunk per rank under zb-h1;
-    zbv's two, whose bytes differ: rank 0's first chunk holds the embedding, its second the LM head)."""
+def _timeline_activations(schedule: str, pp_size: int, pp_rank: int, micro_batches: int,
+                          acts: Sequence[float], stashes: Sequence[float]) -> float:
+    """The most bytes a rank holds between F and W: its timeline replayed with ``acts[c]`` per micro-batch of
+    chunk ``c`` from F to B and ``stashes[c]`` from B to W (one chunk per rank under zb-h1; zbv's two, whose
+    bytes differ: rank 0's first chunk holds the embedding, its second the LM head; the interleaved schedule's V
+    chunks, without W: ``stashes`` zero)."""
     return max(sum(f * a + w * st for (f, w), a, st in zip(state, acts, stashes))
                for state in _held_counts(schedule, pp_size, pp_rank, micro_batches, len(acts)))
 
@@ -289,7 +291,7 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
                offload_optimizer: bool = False, offload_param: bool = False, host_counts: bool = False,
                persistence_threshold: int = 100_000, bucket_numel: int | None = None, overlap_comm: bool = False,
                max_inflight: int = 2, fused_attention: bool = True, mask_bytes: int = 1,
-               fused_norm: bool = True) -> PeakEstimate:
+               fused_norm: bool = True, virtual_stages: int = 1) -> PeakEstimate:
     """The peak of one training step on one rank: the larger of the peak where backward begins on the stashed
     micro-batches and the peak of the optimizer step.
 
@@ -300,7 +302,8 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
       zero-bubble schedules the most that the rank's timeline holds between F and W, each micro-batch's
       activations from F to B and its W stash (:func:`weight_stash_bytes`) from B to W, chunk by chunk for
       ``zbv`` (two chunks per rank in a V: rank 0 runs the first stage, with the embeddings, and the last, with
-      the final norm, the logits and the loss);
+      the final norm, the logits and the loss); under ``interleaved`` (``virtual_stages`` chunks per rank) the
+      most that the timeline holds between F and B, chunk by chunk;
     * communication buffers (stages 2-3, as ``megazero/zero`` holds them): the gradient staging buckets of
       stage 2 and of stage 3's persistent parameters, ``e·min(bucket, Ψ)`` per buffer: one without
       ``overlap_comm`` (each reduction completes before the next bucket opens), ``max_inflight`` with it.
@@ -333,7 +336,7 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
     second on. ``released`` is that difference from the sum of the other fields.
     """
     e = ELEMENT_BYTES[precision]
-    v = 2 if schedule == "zbv" and pp_size > 1 else 1  # zbv: two chunks per rank in a V
+    v = chunks_per_rank(schedule, pp_size, virtual_stages)  # zbv: two chunks per rank in a V
     numel = rank_parameter_numels(model, tp_size, pp_size, pp_rank, virtual_stages=v, schedule=schedule)
     sizes = list(numel.values())
     ms = model_state_bytes(sizes, stage, dp_size, precision, persistence_threshold, offload_optimizer,
@@ -352,7 +355,9 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
         stashes = [weight_stash_bytes(model, micro_batch, tp_size=tp_size, sequence_parallel=sequence_parallel,
                                       precision=precision, layers=len(sp.layers), first_stage=sp.pre_process,
                                       last_stage=sp.post_process) for sp in specs]
-        act = _split_schedule_activations(schedule, pp_size, pp_rank, micro_batches, acts, stashes)
+        act = _timeline_activations(schedule, pp_size, pp_rank, micro_batches, acts, stashes)
+    elif v > 1:  # interleaved: every chunk's micro-batches between F and B, from the timeline
+        act = _timeline_activations(schedule, pp_size, pp_rank, micro_batches, acts, [0.0] * v)
     else:
         act = acts[0] * in_flight_micro_batches(pp_size, pp_rank, schedule, micro_batches)
     comm = 0.0
