@@ -382,7 +382,8 @@ def _pp4_runs(ctx, cache: str):
         engine = Engine(cfg.resolve(ctx.world_size), ctx)
         timeline = _record_timeline(engine)
         engine.train_step(batch, measure=m == 8)
-        out[(schedule, m)] = (timeline.actions(), engine.activation_peak_bytes, engine.executor.counters[0].last)
+        out[(schedule, m)] = (timeline.actions(), engine.activation_peak_bytes, engine.executor.counters[0].last,
+                              engine.executor.peak_received)
     return out
 
 
@@ -427,6 +428,40 @@ def test_in_flight_activations_within_one_micro_batch_of_1f1b(pp4_runs):
         est = peak_bytes(model, 1, stage=0, dp_size=1, pp_size=4, pp_rank=r, precision="fp32", micro_batches=8,
                          schedule="zb-h1").activations
         assert abs(est - measured) / measured < 0.01, (r, est, measured)
+
+
+def test_received_tensors_waiting_in_the_inbox(pp4_runs):
+    """pp 4: the most received boundary tensors ([micro, seq, hidden]) a rank's executor held in its inbox at once,
+    counted from the inbox itself in the real steps: 1 under 1F1B and zb-h1, 3 on ranks 1-3 under zbv (a tick's
+    call receives for later actions: both chunks' activations and gradients), 1 on rank 0 (it receives only on
+    its one link); :func:`~megazero.pipeline.p2p.received_waiting` replays the same count from the transfer plan,
+    and the estimator's zbv peak counts those beyond the one received tensor it already holds (per tensor
+    e*s*h, fp32, micro-batch 1)."""
+    from megazero.plan.estimate import _most_received_waiting
+
+    measured = {key: [w[key][3] for w in pp4_runs] for key in pp4_runs[0]}
+    assert measured[("1f1b", 8)] == measured[("1f1b", 16)] == measured[("zb-h1", 8)] == [1, 1, 1, 1], measured
+    assert measured[("zbv", 8)] == measured[("zbv", 16)] == [1, 3, 3, 3], measured
+    for (schedule, m), got in measured.items():
+        v = 2 if schedule == "zbv" else 1
+        assert [_most_received_waiting(schedule, 4, r, m, v) for r in range(4)] == got, (schedule, m)
+    model = ModelConfig(num_layers=8, hidden_size=64, num_heads=4, seq_len=32, vocab_size=512)
+    boundary = 4 * 32 * 64
+    for r in range(4):
+        zbv = peak_bytes(model, 1, stage=0, dp_size=1, pp_size=4, pp_rank=r, precision="fp32", micro_batches=8,
+                         schedule="zbv")
+        one_layer = peak_bytes(model, 1, stage=0, dp_size=1, pp_size=4, pp_rank=r, precision="fp32",
+                               micro_batches=8, schedule="zb-h1")  # one received tensor at most
+        # the common transients differ only by the largest parameter (rank 0 under zbv: the tied embedding)
+        extra = zbv.transient - one_layer.transient - 4 * (max(_sizes(model, r, "zbv")) - max(_sizes(model, r, "")))
+        assert extra == boundary * (measured[("zbv", 8)][r] - 1), (r, extra)
+
+
+def _sizes(model: ModelConfig, rank: int, schedule: str) -> list[int]:
+    from megazero.plan.estimate import rank_parameter_numels
+
+    v = 2 if schedule == "zbv" else 1
+    return list(rank_parameter_numels(model, 1, 4, rank, virtual_stages=v, schedule=schedule).values())
 
 
 # -- the planner and the dry run know zb-h1 -----------------------------------------------------------------

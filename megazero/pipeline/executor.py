@@ -21,6 +21,12 @@ gradients kept for the weight GEMMs, kept gradients of the small parameters) cou
 
 Under ``zbv`` rank p - 1 runs two consecutive virtual stages (the V's turn): the activation its chunk 0 produces
 and the gradient its chunk 1 returns go straight into its inbox, with no transfer.
+
+Received tensors wait in the inbox until their action runs: one at a time under 1F1B, GPipe and zb-h1, two
+under interleaved (a unit's call receives for its forward and its backward), up to three under zbv (a tick's
+call receives for later actions). ``peak_received`` counts the most at once
+(:func:`~megazero.pipeline.p2p.received_waiting` replays it from the plan); they are not in
+``peak_activation_bytes``, which counts what autograd saves, and the estimator adds them to its transient.
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ class RunStats:
     loss_sum: torch.Tensor  # sum of per-token losses this rank computed (last stage; 0 elsewhere), fp64, on device
     peak_in_flight: float  # most micro-batches stashed at once (chunks count 1/V each)
     peak_activation_bytes: int | None  # most saved-activation bytes stashed at once (None: not measured)
+    peak_received: int = 0  # most received boundary tensors waiting in the inbox at once (p2p.received_waiting)
 
 
 class PipelineExecutor:
@@ -86,6 +93,7 @@ class PipelineExecutor:
         self.pp_size = pp_size
         self.device = device
         self.counters = [ActivationMemoryCounter(c) for c in chunks]
+        self.peak_received = 0  # the last run's most received tensors waiting in the inbox at once
 
     def run(self, actions: list[Action], micro_batches: list[MicroBatch], loss_divisor: torch.Tensor | float,
             backward: BackwardFn | None, units: list[list[int]] | None = None, measure: bool = True,
@@ -114,10 +122,11 @@ class PipelineExecutor:
         inbox: dict[tuple[str, int, int], torch.Tensor] = {}
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         live = peak = 0.0
-        live_bytes = peak_bytes = 0
+        live_bytes = peak_bytes = received = 0
         for a, calls in zip(actions, plan):
             for call in calls:
                 inbox.update(self.p2p.exchange(call, outbox))
+            received = max(received, len(inbox))
             recv, send = action_transfers(a, self.pp_rank, self.pp_size, v, self.schedule)
             sent = inbox if send is not None and send.peer == self.pp_rank else outbox  # local: handed over
             spec, chunk = self.specs[a.chunk], self.chunks[a.chunk]
@@ -173,7 +182,9 @@ class PipelineExecutor:
         assert not stash, f"schedule left micro-batches without backward: {sorted(stash)}"
         assert not wstash, f"schedule left micro-batches without W: {sorted(wstash)}"
         assert not outbox and not inbox, f"transfers left over: {sorted(outbox)} {sorted(inbox)}"
-        return RunStats(loss_sum=loss_sum, peak_in_flight=peak, peak_activation_bytes=peak_bytes if measure else None)
+        self.peak_received = received
+        return RunStats(loss_sum=loss_sum, peak_in_flight=peak, peak_activation_bytes=peak_bytes if measure else None,
+                        peak_received=received)
 
 
 def _stash_bytes(work: WeightWork) -> int:

@@ -36,7 +36,8 @@ import torch
 from megazero.distributed.group import Group
 from megazero.pipeline.schedules import Action, virtual_stage
 
-__all__ = ["PipelineP2P", "Transfer", "action_transfers", "forward_actions", "stage_holder", "transfer_plan"]
+__all__ = ["PipelineP2P", "Transfer", "action_transfers", "forward_actions", "received_waiting", "stage_holder",
+           "transfer_plan"]
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,22 @@ def _tick_plan(actions: Sequence[Action], io: Sequence[tuple[Transfer | None, Tr
         slot = next((i for i, u in enumerate(at) if u > t), len(actions))
         slots[slot].append(calls[t])
     return slots
+
+
+def received_waiting(actions: Sequence[Action], plan: Sequence[Sequence[Sequence[Transfer]]], pp_rank: int,
+                     pp_size: int, virtual_stages: int = 1, schedule: str = "") -> list[int]:
+    """How many received boundary tensors ([micro, seq, hidden]) wait in a rank's inbox just before each of its
+    ``actions`` runs, after the calls ``plan`` (:func:`transfer_plan`) makes there and the local hand-overs of
+    the actions before it (zbv's turn). An action takes its one input out. 1F1B and zb-h1 hold one at a time;
+    a call that receives for several later actions (interleaved's units, zbv's ticks) holds more: memory that
+    neither the saved activations nor the W stashes include (:func:`megazero.plan.estimate.peak_bytes` counts it)."""
+    held, out = 0, []
+    for a, calls in zip(actions, plan):
+        held += sum(t.op == "recv" for call in calls for t in call)
+        out.append(held)
+        recv, send = action_transfers(a, pp_rank, pp_size, virtual_stages, schedule)
+        held += (send is not None and send.peer == pp_rank) - (recv is not None)
+    return out
 
 
 class PipelineP2P:

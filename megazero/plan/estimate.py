@@ -37,8 +37,9 @@ from dataclasses import dataclass
 from megazero.config.precision import ELEMENT_BYTES
 from megazero.config.resolve import chunks_per_rank
 from megazero.config.schema import ModelConfig, ZeroConfig
+from megazero.pipeline.p2p import received_waiting, transfer_plan
 from megazero.pipeline.partition import partition_layers, stage_specs
-from megazero.pipeline.schedules import SPLIT_SCHEDULES, build_schedule
+from megazero.pipeline.schedules import SPLIT_SCHEDULES, build_schedule, transfer_ticks, transfer_units
 from megazero.plan.activations import (
     activation_bytes,
     checkpoint_host_bytes,
@@ -257,6 +258,19 @@ def _held_counts(schedule: str, pp_size: int, pp_rank: int, micro_batches: int, 
     return frozenset(seen)
 
 
+@functools.lru_cache(maxsize=4096)
+def _most_received_waiting(schedule: str, pp_size: int, pp_rank: int, micro_batches: int, chunks: int = 1) -> int:
+    """The most received boundary tensors a rank's inbox holds at once, from the transfer plan the executor runs
+    (:func:`megazero.pipeline.p2p.received_waiting`): 1 under 1F1B, GPipe and zb-h1; 2 under interleaved (a
+    unit's call receives for its forward and its backward); up to 3 under zbv (a tick's call receives for
+    later actions: both chunks' inputs and gradients)."""
+    actions = build_schedule(schedule, pp_size, pp_rank, micro_batches, chunks)
+    units = transfer_units(schedule, pp_size, pp_rank, micro_batches, chunks) if schedule == "interleaved" else None
+    plan = transfer_plan(actions, pp_rank, pp_size, chunks, units=units, schedule=schedule,
+                         ticks=transfer_ticks(schedule, pp_size, micro_batches))
+    return max(received_waiting(actions, plan, pp_rank, pp_size, chunks, schedule), default=0)
+
+
 @dataclass(frozen=True)
 class PeakEstimate:
     """A rank's predicted peak of live tensors during a step, in the parts the tracker
@@ -314,6 +328,9 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
       gradient the LM head's backward produces first) -- plus the gradient of the LM head's input, ``e·sbh``
       (before the last pipeline stage: the gradient received; the output sent is freed once its send
       completes, before that gradient arrives at the start of backward: ``megazero/pipeline/executor.py``);
+      where one call receives for several later actions (interleaved's units, zbv's ticks), the other
+      received tensors waiting in the inbox (:func:`megazero.pipeline.p2p.received_waiting`; an upper bound:
+      their most, whenever it comes);
     * once activations are freed (stages 0-2): the states, the buffers above and three model-dtype tensors the
       size of the largest parameter. On a GPT that is the tied embedding at the end of backward: the LM head's
       weight gradient (``mm``), the lookup's (``embedding_dense_backward``) and autograd's out-of-place sum of
@@ -377,6 +394,10 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
     if split:  # inside a B each layer's output gradients, kept for W, appear before its saved tensors are freed:
         # one layer's on top of what the rank held as that B began (later layers free more than they add)
         transient += e * s * micro_batch * _grad_outputs_per_token(model, tp_size)
+    if v > 1:  # received tensors waiting for a later action of the same call beyond the one counted above (one
+        # chunk per rank: every call receives for the next action only)
+        waiting = _most_received_waiting(schedule, pp_size, pp_rank, micro_batches, v)
+        transient += e * s * micro_batch * h / sp * max(0, waiting - 1)
     if stage != 3:
         return PeakEstimate(states, act, comm, transient, 3 * e * max(sizes))
     blocks_act = activation_bytes(model, micro_batch, **common, layers=n_layers, first_stage=False,
