@@ -99,7 +99,7 @@ def _mp_context(method: str, picklable: tuple) -> mp.context.BaseContext:
 def _rank_main(rank: int, world_size: int, ports: mp.Queue, over: Any, grid_kwargs: dict, dist_timeout: float,
                fn: Callable, args: tuple, kwargs: dict, results: mp.Queue, cuda: bool = False,
                environ: dict[str, str] | None = None) -> None:
-    code = 0
+    code, reported = 0, False
     if environ is not None:  # the parent's environment at run_world time (a fork server's is older)
         os.environ.clear()
         os.environ.update(environ)
@@ -136,10 +136,16 @@ def _rank_main(rank: int, world_size: int, ports: mp.Queue, over: Any, grid_kwar
         out = fn(ctx, *args, **kwargs)
         # pickle by value: multiprocessing would share tensors through file descriptors of a dying process
         results.put((rank, "ok", pickle.dumps(out)))
+        # flush the result to the parent before the teardown: gloo can abort the process in
+        # destroy_process_group (a rare shutdown race), which would lose a result still in the feeder thread
+        results.close()
+        results.join_thread()
+        reported = True
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - report everything to the parent
-        results.put((rank, "error", traceback.format_exc()))
-        code = 1
+        if not reported:  # a failure after the result was sent leaves the parent's answer as it is
+            results.put((rank, "error", traceback.format_exc()))
+            code = 1
     finally:
         results.close()
         results.join_thread()  # flush the queue's feeder thread before the hard exit
