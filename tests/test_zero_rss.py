@@ -74,10 +74,11 @@ def test_model_state_bytes_against_a_walk_of_the_tensors():
             assert (comm > 0) == (stage >= 2), (stage, comm)
 
 
-def _staging_peaks(ctx, cache: str) -> tuple[int, int, int]:
+def _staging_peaks(ctx, cache: str) -> tuple[tuple[int, int], tuple[int, int], int]:
     from megazero.observe.memory import PeakMemoryTracker, zero_buffers
     from megazero.train.engine import Engine
     from megazero.zero.stage3.params import Stage3Params
+    from megazero.zero.stage3.slots import SlotPool
 
     flags = [*SMALL_FLAGS, "--num-layers", "4", "--hidden-size", "128", "--zero-stage", "3", "--micro-batch-size", "1",
              "--global-batch-size", "2", "--cache-dir", cache]
@@ -87,12 +88,24 @@ def _staging_peaks(ctx, cache: str) -> tuple[int, int, int]:
     g = torch.Generator().manual_seed(ctx.dp_rank)
     batch = [(torch.randint(0, cfg.model.vocab_size, (1, 32), generator=g),) * 2]
     engine.train_step(batch)  # the pool's slots exist from here on
+    most = [0]
+    take = SlotPool._take
 
-    def peak() -> int:
+    def counting_take(self):  # the most slots alive at once (lent or idle)
+        slot = take(self)
+        most[0] = max(most[0], self.count)
+        return slot
+
+    def peak() -> tuple[int, int]:
         tracker = PeakMemoryTracker("cpu", lambda: zero_buffers(engine.optimizer), engine.chunks)
-        with tracker:
-            engine.train_step(batch)
-        return tracker.result()["peak_bytes"]
+        most[0] = 0
+        SlotPool._take = counting_take
+        try:
+            with tracker:
+                engine.train_step(batch)
+        finally:
+            SlotPool._take = take
+        return tracker.result()["peak_bytes"], most[0]
 
     in_place = peak()
     store = engine.optimizer.store
@@ -113,10 +126,14 @@ def _staging_peaks(ctx, cache: str) -> tuple[int, int, int]:
 
 
 def test_stage3_stages_a_block_in_its_own_buffer(data_cache):
-    """dp 2, 4 blocks of hidden 128 (the peak is in the blocks' backward), fp32: staging in the block's own gathered buffer lowers the tracked peak of a step by
-    one block's bytes (the staging slot it no longer borrows)."""
-    for in_place, apart, block in run_world(_staging_peaks, 2, data_cache, timeout=240):
-        assert apart - in_place == block, (in_place, apart, block)
+    """dp 2, 4 blocks of hidden 128 (the peak is in the blocks' backward), fp32: staging in the block's own
+    gathered buffer takes one slot fewer at once (a block's bytes: the staging slot it no longer borrows), and the
+    tracked peak of a step drops by about a block. Only about: which gloo reduction has completed at the peak
+    varies run to run (the drop measured 0.83 and 1.17 blocks), while the slot count does not."""
+    for (in_place, slots_in_place), (apart, slots_apart), block in run_world(_staging_peaks, 2, data_cache,
+                                                                              timeout=240):
+        assert slots_apart - slots_in_place == 1, (slots_in_place, slots_apart)
+        assert 0.5 * block < apart - in_place < 1.5 * block, (in_place, apart, block)
 
 
 def _eval_peaks(ctx, cache: str, runs: list[list[str]]) -> list[tuple[dict, dict]]:
