@@ -38,8 +38,8 @@ from megazero.config.schema import ModelConfig
 from megazero.distributed.group import Group
 from megazero.model.cache import KVCache
 from megazero.model.gpt import GPT
-from megazero.pipeline.p2p import stage_holder
-from megazero.pipeline.schedules import virtual_stage
+from megazero.pipeline.p2p import action_transfers, last_stage_rank
+from megazero.pipeline.schedules import Action
 from megazero.tensor_parallel.layers import shard_full_tensor, tp_size_rank
 
 __all__ = ["CP_REFUSAL", "SamplingConfig", "TextCodec", "generate_ids", "generate_samples", "load_model",
@@ -94,34 +94,29 @@ def _pipeline_forward(chunks: list[GPT], ids: torch.Tensor, cache: KVCache | Non
     fp32 logits [B, S, vocab] (gathered over TP), other ranks None.
 
     Each rank runs its chunks in chunk order, which is the order of its virtual stages under every layout
-    (:func:`~megazero.pipeline.schedules.virtual_stage`): interleaved chunks hand over to rank + 1, ``zbv``'s
+    (:func:`~megazero.pipeline.p2p.action_transfers`, as training): interleaved chunks hand over to rank + 1, ``zbv``'s
     second chunk to rank - 1, and the V's turn at the last rank stays on the rank. Sends are asynchronous and a
     stage only waits on a lower stage, so no rank waits in a cycle."""
     pp_size, pp_rank = tp_size_rank(pp_group)
-    v = len(chunks)
-
-    def rank_of(stage: int) -> int:
-        return stage_holder(schedule, pp_size, v, stage)[0]
-
     out, sends, handoff = None, [], None
-    for c, chunk in enumerate(chunks):
-        vs = virtual_stage(schedule, pp_size, pp_rank, c)
+    for c, chunk in enumerate(chunks):  # the training forward's transfers: a peer of this rank is the V's turn
+        recv, send = action_transfers(Action("F", 0, c), pp_rank, pp_size, len(chunks), schedule)
         if chunk.pre_process:
             x = ids
-        elif rank_of(vs - 1) == pp_rank:  # the V's turn: the previous stage ran on this rank
+        elif recv.peer == pp_rank:
             x = handoff
         else:
             ref = chunk.blocks[next(iter(chunk.blocks))].ln_1.weight if chunk.blocks else chunk.ln_f.weight
             x = torch.empty((*ids.shape, chunk.cfg.hidden_size), dtype=ref.dtype, device=ref.device)
-            pp_group.recv(x, src=rank_of(vs - 1))
+            pp_group.recv(x, src=recv.peer)
         if chunk.post_process:
             out = chunk.full_logits(x, cache).float()
         else:
             y = chunk(x, cache=cache).contiguous()  # [B, S, H]
-            if rank_of(vs + 1) == pp_rank:
+            if send.peer == pp_rank:
                 handoff = y
             else:
-                sends.append((pp_group.isend(y, dst=rank_of(vs + 1), tag="other"), y))
+                sends.append((pp_group.isend(y, dst=send.peer, tag="other"), y))
     for work, _ in sends:
         work.wait()
     return out
@@ -168,8 +163,7 @@ def generate_ids(chunks: GPT | list[GPT], prompt: list[int], cfg: SamplingConfig
     device = next(chunks[0].parameters()).device
     tp_group = chunks[0].tp_group
     # the rank holding the last stage: rank 0 for zbv's V, the last rank otherwise
-    pp_last = 0 if pp_group is None else stage_holder(schedule, pp_group.size, len(chunks),
-                                                      pp_group.size * len(chunks) - 1)[0]
+    pp_last = 0 if pp_group is None else last_stage_rank(schedule, pp_group.size, len(chunks))
     generator = torch.Generator(device).manual_seed(cfg.seed) if cfg.temperature > 0 else None
     cache = KVCache(mcfg.seq_len) if use_cache else None
     tokens, new = list(prompt), []

@@ -30,13 +30,14 @@ from tests.dist import run_world
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _walk():
-    """bench/zero_bench.py's walk of the tensors reachable from some objects (sizes of distinct memory blocks)."""
+def _bench():
+    """bench/zero_bench.py: its walk of the tensors reachable from some objects (sizes of distinct memory blocks)
+    and its sums of megazero's model states and of what it holds beside them."""
     spec = importlib.util.spec_from_file_location("zero_bench", ROOT / "bench" / "zero_bench.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("zero_bench", mod)  # its dataclasses look their module up
     spec.loader.exec_module(mod)
-    return mod.held_storage_bytes
+    return mod
 
 
 def _state_walks(ctx) -> dict[int, tuple[int, int, int, int]]:
@@ -44,7 +45,7 @@ def _state_walks(ctx) -> dict[int, tuple[int, int, int, int]]:
     from megazero.model.gpt import GPT, init_parameters
     from megazero.zero import ZeroOptimizer
 
-    walk = _walk()
+    bench = _bench()
     cfg = ModelConfig(num_layers=2, hidden_size=64, num_heads=4, seq_len=32, vocab_size=512)
     out = {}
     for stage in (0, 1, 2, 3):
@@ -58,9 +59,9 @@ def _state_walks(ctx) -> dict[int, tuple[int, int, int, int]]:
             opt.zero_grad()
             opt.backward(model(x, x).sum())
             opt.step(1e-3)
-        b = opt.model_state_bytes()
-        states = sum(b[k] for k in ("params_bytes", "grads_bytes", "master_params_bytes", "optimizer_states_bytes"))
-        out[stage] = (sum(walk([model, opt])), states, b["comm_buffers_bytes"], opt._step_tensor.nbytes)
+        comm = opt.model_state_bytes()["comm_buffers_bytes"]
+        out[stage] = (sum(bench.held_storage_bytes([model, opt])), bench._mz_state_bytes(opt), comm,
+                      bench._mz_extra_bytes(opt) - comm)
     return out
 
 

@@ -133,8 +133,14 @@ def estimate(args: argparse.Namespace) -> str:
         build_schedule(args.pp_schedule, args.pp, 0, m_count, chunks_per_rank(args.pp_schedule, args.pp,
                                                                                args.virtual_stages))
     v = chunks_per_rank(args.pp_schedule, args.pp, args.virtual_stages)
-    vee = args.pp_schedule if v > 1 else ""  # the placement of a rank's chunks (zbv: the V)
     timeline = v > 1 or (args.pp_schedule in SPLIT_SCHEDULES and args.pp > 1)
+    if timeline and (args.partition_activations or args.cpu_checkpointing):
+        flag = "--partition-activations" if args.partition_activations else "--cpu-checkpointing"
+        raise ConfigError(f"{flag} is estimated for --pp-schedule 1f1b and gpipe only, not {args.pp_schedule}; drop "
+                          f"{flag} or pick one of those schedules")
+    if model is not None and model.num_layers < args.pp * v:
+        raise ConfigError(f"--num-layers {model.num_layers} is fewer than the {args.pp * v} (virtual) pipeline "
+                          "stages; lower --pp/--virtual-stages or add layers")
 
     # per pipeline rank: (Ψ_r numels, activations held at once, micro-batches in flight, its chunks' layers)
     per_stage = []
@@ -142,11 +148,8 @@ def estimate(args: argparse.Namespace) -> str:
         if model is None:
             per_stage.append(([args.params / (args.tp * args.pp)], None, 1, None))
             continue
-        if model.num_layers < args.pp * v:
-            raise ConfigError(f"--num-layers {model.num_layers} is fewer than the {args.pp * v} (virtual) pipeline "
-                              "stages; lower --pp/--virtual-stages or add layers")
-        specs = stage_specs(model.num_layers, args.pp, r, v, schedule=vee)
-        numels = list(rank_parameter_numels(model, args.tp, args.pp, r, virtual_stages=v, schedule=vee).values())
+        specs = stage_specs(model.num_layers, args.pp, r, v, schedule=args.pp_schedule)
+        numels = list(rank_parameter_numels(model, args.tp, args.pp, r, virtual_stages=v, schedule=args.pp_schedule).values())
         common = dict(tp_size=args.tp, sequence_parallel=args.sequence_parallel, precision=args.precision,
                       checkpointing=args.activation_checkpointing)
         if timeline:  # each chunk's micro-batches from F to B (and W) as the rank's timeline holds them

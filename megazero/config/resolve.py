@@ -121,7 +121,7 @@ def resolve_config(cfg: Cfg, world_size: int, device_type: str = "cpu") -> Cfg:
     zbv = p.pp_schedule == "zbv" and p.pp_size > 1
     _require(p.pp_schedule != "zbv" or p.virtual_stages in (1, 2), f"--pp-schedule zbv runs 2 model chunks per "
              f"rank (a V), got --virtual-stages {p.virtual_stages}; leave --virtual-stages out or give 2")
-    chunks = p.pp_size * (chunks_per_rank("zbv", p.pp_size, 1) if p.pp_schedule == "zbv" else p.virtual_stages)
+    chunks = p.pp_size * (2 if p.pp_schedule == "zbv" else p.virtual_stages)
     _require(m.num_layers >= chunks, f"--num-layers {m.num_layers} is fewer than the {chunks} pipeline chunks "
              f"(--pp {p.pp_size} x {'2 (zbv)' if zbv else f'--virtual-stages {p.virtual_stages}'}); every chunk "
              f"needs a layer, so lower --pp{'' if zbv else '/--virtual-stages'} or add layers")

@@ -70,7 +70,6 @@ class RunStats:
     loss_sum: torch.Tensor  # sum of per-token losses this rank computed (last stage; 0 elsewhere), fp64, on device
     peak_in_flight: float  # most micro-batches stashed at once (chunks count 1/V each)
     peak_activation_bytes: int | None  # most saved-activation bytes stashed at once (None: not measured)
-    peak_received: int = 0  # most received boundary tensors waiting in the inbox at once (p2p.received_waiting)
 
 
 class PipelineExecutor:
@@ -183,8 +182,7 @@ class PipelineExecutor:
         assert not wstash, f"schedule left micro-batches without W: {sorted(wstash)}"
         assert not outbox and not inbox, f"transfers left over: {sorted(outbox)} {sorted(inbox)}"
         self.peak_received = received
-        return RunStats(loss_sum=loss_sum, peak_in_flight=peak, peak_activation_bytes=peak_bytes if measure else None,
-                        peak_received=received)
+        return RunStats(loss_sum=loss_sum, peak_in_flight=peak, peak_activation_bytes=peak_bytes if measure else None)
 
 
 def _stash_bytes(work: WeightWork) -> int:

@@ -36,7 +36,7 @@ import torch
 from megazero.distributed.group import Group
 from megazero.pipeline.schedules import Action, virtual_stage
 
-__all__ = ["PipelineP2P", "Transfer", "action_transfers", "forward_actions", "received_waiting", "stage_holder",
+__all__ = ["PipelineP2P", "Transfer", "action_transfers", "forward_actions", "last_stage_rank", "received_waiting", "stage_holder",
            "transfer_plan"]
 
 
@@ -62,12 +62,17 @@ def forward_actions(actions: Sequence[Action]) -> list[Action]:
 
 def stage_holder(schedule: str, pp_size: int, virtual_stages: int, stage: int) -> tuple[int, int]:
     """(pipeline rank, model chunk) that runs virtual stage ``stage``: the inverse of
-    :func:`~megazero.pipeline.schedules.virtual_stage`."""
-    for rank in range(pp_size):
-        for chunk in range(virtual_stages):
-            if virtual_stage(schedule, pp_size, rank, chunk) == stage:
-                return rank, chunk
-    raise ValueError(f"no rank runs virtual stage {stage} of {pp_size} x {virtual_stages} under {schedule!r}")
+    :func:`~megazero.pipeline.schedules.virtual_stage` (in closed form: it runs per action, every step)."""
+    if not 0 <= stage < pp_size * virtual_stages:
+        raise ValueError(f"no rank runs virtual stage {stage} of {pp_size} x {virtual_stages} under {schedule!r}")
+    if schedule == "zbv":
+        return (stage, 0) if stage < pp_size else (2 * pp_size - 1 - stage, 1)
+    return stage % pp_size, stage // pp_size
+
+
+def last_stage_rank(schedule: str, pp_size: int, virtual_stages: int) -> int:
+    """The pipeline rank holding the last stage (the loss, the logits): ``pp - 1``, or 0 under zbv's V."""
+    return stage_holder(schedule, pp_size, virtual_stages, pp_size * virtual_stages - 1)[0]
 
 
 def action_transfers(a: Action, pp_rank: int, pp_size: int, virtual_stages: int,

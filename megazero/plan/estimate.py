@@ -265,7 +265,7 @@ def _most_received_waiting(schedule: str, pp_size: int, pp_rank: int, micro_batc
     unit's call receives for its forward and its backward); up to 3 under zbv (a tick's call receives for
     later actions: both chunks' inputs and gradients)."""
     actions = build_schedule(schedule, pp_size, pp_rank, micro_batches, chunks)
-    units = transfer_units(schedule, pp_size, pp_rank, micro_batches, chunks) if schedule == "interleaved" else None
+    units = transfer_units(schedule, pp_size, pp_rank, micro_batches, chunks)
     plan = transfer_plan(actions, pp_rank, pp_size, chunks, units=units, schedule=schedule,
                          ticks=transfer_ticks(schedule, pp_size, micro_batches))
     return max(received_waiting(actions, plan, pp_rank, pp_size, chunks, schedule), default=0)
@@ -402,7 +402,7 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
         return PeakEstimate(states, act, comm, transient, 3 * e * max(sizes))
     blocks_act = activation_bytes(model, micro_batch, **common, layers=n_layers, first_stage=False,
                                   last_stage=False)
-    if v > 1:  # zbv's chunks: blocks by their (global) layer, the second chunk's other parameters apart
+    if v > 1:  # several chunks (interleaved, zbv): blocks by their (global) layer, later chunks' others apart
         numel = {(rest if rest.startswith("blocks.") or c == "0" else f"head.{rest}"): n
                  for (c, rest), n in ((k.split(".", 1), n) for k, n in numel.items())}
     # zbv's LM head has its own copy of the tied embedding on rank 0: no gradient held across the chunk

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from megazero.config.precision import ELEMENT_BYTES
+from megazero.config.resolve import chunks_per_rank
 from megazero.config.schema import ModelConfig
 from megazero.distributed.context import RankGrid
 from megazero.observe.flops import flops_shape, megatron_model_flops
@@ -70,7 +71,7 @@ class Layout:
     @property
     def chunks(self) -> int:
         """Model chunks per pipeline rank: ``virtual_stages`` (interleaved), 2 (zbv) or 1."""
-        return 2 if self.zbv else self.virtual_stages
+        return chunks_per_rank(self.schedule, self.pp, self.virtual_stages)
 
     def flags(self) -> list[str]:
         """The ``pretrain/gpt.py`` flags of this layout."""
@@ -151,11 +152,11 @@ def evaluate(model: ModelConfig, lay: Layout, global_batch: int, c: Cluster, pre
     worst_mem: tuple | None = None
     slowest: StepTime | None = None
     vols = [0.0, 0.0, 0.0, 0.0]  # tp, pp, dp, cp bytes: the largest over the stages
-    chunks, vee = lay.chunks, lay.schedule if lay.zbv else ""  # zbv: two chunks per rank in a V
+    chunks = lay.chunks  # zbv: two chunks per rank in a V (stage_specs places them by the schedule's name)
     for r in range(lay.pp):
-        numels = _numels(model, lay.tp, lay.pp, r, chunks, vee)
+        numels = _numels(model, lay.tp, lay.pp, r, chunks, lay.schedule)
         psi = float(sum(numels))
-        specs = stage_specs(model.num_layers, lay.pp, r, chunks, schedule=vee)
+        specs = stage_specs(model.num_layers, lay.pp, r, chunks, schedule=lay.schedule)
         layers = sum(len(spec.layers) for spec in specs)
         first, last = any(sp.pre_process for sp in specs), any(sp.post_process for sp in specs)
         pe = peak_bytes(local, lay.micro_batch_size, stage=lay.zero_stage, dp_size=nd, tp_size=lay.tp,

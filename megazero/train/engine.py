@@ -18,6 +18,7 @@ loss, the squared gradient norm and the token count together.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ from megazero.distributed import device_io
 from megazero.distributed.context import ParallelContext
 from megazero.model.gpt import full_state_dict
 from megazero.pipeline.executor import PipelineExecutor
-from megazero.pipeline.p2p import stage_holder
+from megazero.pipeline.p2p import last_stage_rank
 from megazero.pipeline.schedules import SPLIT_SCHEDULES, build_schedule, transfer_ticks, transfer_units
 from megazero.tensor_parallel import IGNORE_INDEX
 from megazero.tensor_parallel.layers import VOCAB_PAD_MULTIPLE, pad_size
@@ -67,8 +68,7 @@ class Engine:
         self.model = parts.model
         self.split_backward = self.schedule in SPLIT_SCHEDULES  # zero-bubble: B and W apart
         # the pipeline rank that holds the last stage (the loss): p - 1, or 0 under zbv's V
-        self.loss_rank = stage_holder(self.schedule, ctx.pp_size, self.virtual_stages,
-                                      ctx.pp_size * self.virtual_stages - 1)[0]
+        self.loss_rank = last_stage_rank(self.schedule, ctx.pp_size, self.virtual_stages)
         self.executor = PipelineExecutor(self.chunks, self.specs, parts.p2p, ctx.pp_rank, ctx.pp_size, self.device,
                                          split=self.split_backward, schedule=self.schedule)
         self.activation_peak_bytes = 0  # most saved-activation bytes held at once, over all steps
@@ -115,17 +115,16 @@ class Engine:
         if self.optimizer.tied_pairs:  # zbv: both copies on pipeline rank 0, partitioned alike: compare the shards
             sums = torch.zeros(2, dtype=torch.float64, device=world.device)  # ||E_last - E_first||^2, ||E_first||^2
             for a, b in self.optimizer.tied_pairs:
-                first, last = a.param.detach().double(), b.param.detach().double()
-                sums += torch.stack([(last - first).square().sum(), first.square().sum()]).to(sums.device)
+                first, last = a.param.detach().reshape(-1), b.param.detach().reshape(-1)
+                sums += _squared_sums((first[s].double(), last[s].double()) for s in _pieces(first.numel())).to(sums.device)
             self.ctx.dp_cp_group.all_reduce(sums)  # ZeRO's shards add up to the copy (stage 0: dp copies of both)
             rel = (sums[0] / sums[1].clamp_min(1e-60)).sqrt().reshape(1)
         else:
             for ps in self.optimizer.gathered_units(self.tied):  # ZeRO-3: the embedding's own units, one at a time
-                for w in ps:  # in pieces of 2^20 elements: fp64 copies of the whole table held 4x its fp32 bytes
-                    flat, sq = w.detach().reshape(-1), torch.zeros(2, dtype=torch.float64, device=world.device)
-                    for a in range(0, flat.numel(), 1 << 20):
-                        first, last = self.ctx.embedding_group.all_gather_list(flat[a: a + (1 << 20)].double())
-                        sq += torch.stack([(last - first).square().sum(), first.square().sum()]).to(sq.device)
+                for w in ps:
+                    flat = w.detach().reshape(-1)
+                    sq = _squared_sums(self.ctx.embedding_group.all_gather_list(flat[s].double())
+                                       for s in _pieces(flat.numel())).to(rel.device)
                     rel = torch.maximum(rel, (sq[0] / sq[1].clamp_min(1e-60)).sqrt().reshape(1))
         world.all_reduce(rel, op="max")
         value = device_io.read(rel)[0]
@@ -207,3 +206,18 @@ class Engine:
                     out[name] = device_io.empty(value.numel(), value.dtype).view(value.shape).copy_(value)
         order = [n for c in self.chunks for n, _ in c.named_parameters()]
         return {n: out[n] for n in order if n in out}
+
+
+def _pieces(numel: int, size: int = 1 << 20) -> Iterator[slice]:
+    """Slices of ``size`` elements: the tied-embedding check holds fp64 copies of one piece at a time, never of the
+    whole table (4x its fp32 bytes)."""
+    return (slice(a, a + size) for a in range(0, numel, size))
+
+
+def _squared_sums(pairs: Iterable[Sequence[torch.Tensor]]) -> torch.Tensor:
+    """[sum ||last - first||^2, sum ||first||^2] in fp64 over (first, last) pieces."""
+    sums = None
+    for first, last in pairs:
+        piece = torch.stack([(last - first).square().sum(), first.square().sum()])
+        sums = piece if sums is None else sums + piece
+    return sums if sums is not None else torch.zeros(2, dtype=torch.float64)
