@@ -11,9 +11,9 @@
 # left of the budget; one that fails or times out does not stop the others, and one with no time left is
 # skipped and says so:
 #   env       GPU, driver, python, torch, CUDA, triton, cores, host memory
-#   pytest    pytest -m gpu: the GPU-marked tests plus every test skipped for want of CUDA (tests/conftest.py)
 #   gpt2-124m, gpt2-1.3b, llama-3.2-1b
 #             bench/gpu.py: megazero against a plain compiled PyTorch model of the same shapes, same run
+#   pytest    pytest -m gpu: the GPU-marked tests plus every test skipped for want of CUDA (tests/conftest.py)
 #   profile   bench/gpu_profile.py at gpt2-124m: kernels per step, GPU-busy fraction, top 10 kernels
 #   offload   bench/gpu.py --offload optimizer on a 4 x 4096 GPT (1.0B): compute / copy to host / host Adam
 #   summary   bench/gpu_summary.py (standard library only): the table, printed last
@@ -107,8 +107,6 @@ fi
 
 export PY ROOT
 step env 30 20 bash -c "$(declare -f env_info); env_info"  # timeout runs programs, not functions
-step pytest 240 15 "$PY" -m pytest -q -m gpu -p no:cacheprovider -o timeout=225 --continue-on-collection-errors \
-    --junitxml="$OUT/pytest.xml" "${TESTS[@]}"
 MODELS=()
 for spec in "${BENCH[@]}"; do
     read -r model micro seq <<<"$spec"
@@ -116,7 +114,9 @@ for spec in "${BENCH[@]}"; do
     step "$model" 100 8 "$PY" bench/gpu.py --model "$model" --micro-batch-size "$micro" --seq-len "$seq" \
         "${COMMON[@]}" --json "$OUT/$model.json"
 done
-step profile 60 14 "$PY" bench/gpu_profile.py "${PROFILE[@]}" --json "$OUT/profile.json"
+step pytest 170 15 "$PY" -m pytest -q -m gpu -p no:cacheprovider -o timeout=150 --continue-on-collection-errors \
+    --junitxml="$OUT/pytest.xml" "${TESTS[@]}"
+step profile 50 14 "$PY" bench/gpu_profile.py "${PROFILE[@]}" --json "$OUT/profile.json"
 if [[ $DEVICE == cpu ]]; then
     step offload 60 3 "$PY" bench/gpu.py --offload optimizer --device cpu --no-compile --warmup 1 --steps 2 \
         --json "$OUT/offload.json"
