@@ -162,8 +162,10 @@ class OffloadSplit:
 
 
 def run_megazero(ctx, model: str, m: ModelConfig, micro: int, args, device: torch.device, extra=(),
-                 split: OffloadSplit | None = None) -> dict:
-    cfg = parse_args(_flags(model, m, micro, args.precision, args.compile, list(extra)))
+                 split: OffloadSplit | None = None, accumulation: int = 1) -> dict:
+    """megazero's step timed: ``accumulation`` micro-batches of ``micro`` sequences per optimizer step."""
+    extra = [*extra, "--global-batch-size", str(micro * accumulation)]
+    cfg = parse_args(_flags(model, m, micro, args.precision, args.compile, extra))
     cfg = cfg.resolve(1, device_type=device.type)
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -171,7 +173,7 @@ def run_megazero(ctx, model: str, m: ModelConfig, micro: int, args, device: torc
     t0 = time.perf_counter()
     engine = Engine(cfg, ctx, device)
     build_s = time.perf_counter() - t0
-    batch = [_batch(micro, m.seq_len, m.vocab_size, device)]
+    batch = [_batch(micro, m.seq_len, m.vocab_size, device, seed=i) for i in range(accumulation)]
 
     def step() -> float:
         loss = engine.train_step(batch, measure=False).loss  # as the trainer between logged steps
@@ -185,7 +187,7 @@ def run_megazero(ctx, model: str, m: ModelConfig, micro: int, args, device: torc
     states = model_state_bytes(numels, z.stage, 1, cfg.training.precision,
                                offload_optimizer=z.offload_optimizer == "cpu", offload_param=z.offload_param == "cpu")
     est = states.device + activation_bytes(m, micro, precision=cfg.training.precision)
-    out = {"micro_batch": micro, "losses": losses, "step_s": times, "build_s": build_s,
+    out = {"micro_batch": micro, "accumulation": accumulation, "losses": losses, "step_s": times, "build_s": build_s,
            "params": sum(numels), "estimate_device_bytes": est, "estimate_host_bytes": states.offloaded,
            "precision": cfg.training.precision, "compile": cfg.training.compile, "seq_len": m.seq_len}
     if split is not None:
@@ -233,9 +235,10 @@ def run_plain(m: ModelConfig, micro: int, args, device: torch.device) -> dict:
 
 def _speed(res: dict, m: ModelConfig, peak: float | None, ceiling: float) -> dict:
     sec = statistics.median(res["step_s"])
-    flops = megatron_model_flops(res["micro_batch"], m.seq_len, m.num_layers, m.hidden_size,
+    sequences = res["micro_batch"] * res.get("accumulation", 1)
+    flops = megatron_model_flops(sequences, m.seq_len, m.num_layers, m.hidden_size,
                                  padded_vocab_size(m.vocab_size, 1), **flops_shape(m))
-    res.update(median_step_s=sec, tokens_per_s=res["micro_batch"] * m.seq_len / sec,
+    res.update(median_step_s=sec, tokens_per_s=sequences * m.seq_len / sec,
                tflops_per_gpu=flops / sec / 1e12, mfu=flops / sec / peak if peak else None,
                mfu_vs_measured_ceiling=flops / sec / ceiling)
     return res
@@ -314,6 +317,9 @@ def parser() -> argparse.ArgumentParser:
                    help="instead: the largest GPT with optimizer (or optimizer + parameter) offload")
     p.add_argument("--offload-layers", type=int, default=None,
                    help="--offload: this many 4096-wide layers instead of the largest that fits")
+    p.add_argument("--global-batch-size", type=int, default=None,
+                   help="--offload: sequences per optimizer step, by gradient accumulation of --micro-batch-size "
+                        "(default 1) micro-batches (default: one micro-batch)")
     p.add_argument("--json", default=None, help="write the results here")
     return p
 
@@ -347,10 +353,14 @@ def _offload(args, device, ctx, peak: float | None, ceiling: float, out: dict) -
           f" host {bound['host_bytes'] / 2**30:.0f} GiB bounds it at "
           f"{bound.get('host_bound_params', 0) / 1e9:.2f}B", flush=True)
     out.update(offload=args.offload, model=vars_of(m), bound=bound)
+    micro = args.micro_batch_size or 1
+    accumulation = max(1, (args.global_batch_size or micro) // micro)
     with OffloadSplit(device) as split:
-        res = _speed(run_megazero(ctx, "tiny", m, 1, args, device, extra, split=split), m, peak, ceiling)
+        res = _speed(run_megazero(ctx, "tiny", m, micro, args, device, extra, split=split,
+                                  accumulation=accumulation), m, peak, ceiling)
     out["megazero"] = res
-    print(f"trained {len(res['losses'])} steps, losses {[round(x, 3) for x in res['losses']]}, "
+    print(f"micro-batch {micro} x {accumulation} accumulated = {micro * accumulation} sequences of {m.seq_len} per step; "
+          f"trained {len(res['losses'])} steps, losses {[round(x, 3) for x in res['losses']]}, "
           f"{res['median_step_s']:.2f} s/step, {res['tflops_per_gpu']:.1f} TFLOP/s", flush=True)
     if res.get("offload_split"):
         print("per step: " + ", ".join(f"{k.removesuffix('_s')} {v:.3f} s" for k, v in res["offload_split"].items()),

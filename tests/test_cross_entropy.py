@@ -389,5 +389,10 @@ def test_triton_on_cuda_equals_eager_at_gpt2_width():
         loss.backward(grad)
         out[backend] = loss.detach(), y.grad
     torch.testing.assert_close(out["triton"][0], out["eager"][0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(out["triton"][1].float(), out["eager"][1].float(), rtol=BF16_GRAD_RTOL, atol=1e-7)
+    # two bf16 roundings of slightly different fp32 values (the kernel's exp is not eager's) may land one bf16 step
+    # apart: up to 2^-7 relative at the bottom of a binade (seen on an H200: 54 of 103M elements beyond 2^-8)
+    torch.testing.assert_close(out["triton"][1].float(), out["eager"][1].float(), rtol=2.0**-7, atol=1e-7)
+    # and nearly all agree within one rounding: a systematic error would move far more than a few in a million
+    near = torch.isclose(out["triton"][1].float(), out["eager"][1].float(), rtol=BF16_GRAD_RTOL, atol=1e-7)
+    assert (~near).sum().item() <= 1e-5 * near.numel()
     assert torch.count_nonzero(out["triton"][1][:, v:]) == 0
