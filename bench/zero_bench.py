@@ -10,7 +10,8 @@ only, identical everywhere), gradient clipping at the same global norm, in fp32,
 
 * ``mz0`` .. ``mz3``: :class:`megazero.zero.ZeroOptimizer` at that stage with its default settings (the
   defaults of DeepSpeed's ``zero_optimization`` block); ``mz3-p0`` is stage 3 with
-  ``stage3_param_persistence_threshold`` 0, i.e. every parameter sharded, as FSDP2 does.
+  ``stage3_param_persistence_threshold`` 0, i.e. every parameter sharded, as FSDP2 does; ``mz3-nopark`` (not
+  run by default) is stage 3 with the parking of its chunk's own units turned off, for an A/B in one run.
   ``engine0`` .. ``engine3`` (not run by default) go through :class:`megazero.train.engine.Engine` instead, the
   production step (token count and loss all-reduces, activation accounting).
 * ``ddp``: ``DistributedDataParallel`` + ``torch.optim.AdamW`` + ``clip_grad_norm_``.
@@ -81,6 +82,7 @@ class Contender:
     stage: int | None = None
     zero: dict = field(default_factory=dict)
     needs: str | None = None  # importable module this contender needs
+    parking: bool = True  # megazero stage 3: a chunk's own units parked from forward to backward (A/B: False)
 
 
 CONTENDERS = {c.name: c for c in [
@@ -92,6 +94,7 @@ CONTENDERS = {c.name: c for c in [
               {"stage3_param_persistence_threshold": 0}, needs="deepspeed"),
     *[Contender(f"mz{s}", f"megazero ZeRO-{s}", "megazero", s) for s in range(4)],
     Contender("mz3-p0", "megazero ZeRO-3, persistence 0", "megazero", 3, {"stage3_param_persistence_threshold": 0}),
+    Contender("mz3-nopark", "megazero ZeRO-3, no parking", "megazero", 3, parking=False),
     *[Contender(f"engine{s}", f"megazero Engine ZeRO-{s}", "engine", s) for s in range(4)],
 ]}
 DEFAULT_CONTENDERS = ["ddp", "torch-zero1", "fsdp2", "ds1", "ds2", "ds3", "ds3-p0", "mz0", "mz1", "mz2", "mz3",
@@ -254,6 +257,8 @@ def _setup_megazero(ctx, c: Contender, cfg: ModelConfig, opt_cfg: OptimizerConfi
 
     model = _model(cfg)
     opt = ZeroOptimizer(model, ZeroConfig(stage=c.stage, **c.zero), opt_cfg, ctx.dp_group, precision=precision)
+    if not c.parking:  # the A/B of stage 3's parking (megazero/zero/stage3/slots.py): its own units' memory freed
+        opt.store.slots.parking = False
 
     def step(x, y):
         opt.zero_grad()

@@ -23,9 +23,10 @@ is used again by its own backward right after. It stays gathered until then unle
 it again for its backward).
 
 **Buffers.** A block unit is gathered into a slot of the store's :class:`~megazero.zero.stage3.slots.SlotPool`
-(a chunk's own units into memory of their own, per use); a backward that has used every unit of its chunk
-drains the pool. :meth:`GatherScheduler.gather_all` (``gathered_parameters()``) allocates instead, so holding
-the whole model once never leaves the pool that large.
+(a chunk's own units into memory of their own, per use, parked from the end of a forward with a graph to the
+backward that gathers them again where the rank runs one chunk); a backward that has used every unit of its
+chunk drains the pool. :meth:`GatherScheduler.gather_all` (``gathered_parameters()``) allocates instead, so
+holding the whole model once never leaves the pool that large.
 
 **ZeRO++** (:mod:`.hpz`): with hpZ a forward gather also stores this rank's secondary slice and a backward
 gather of a unit whose slice is current runs over the node's hpZ group; with qwZ the gathers over the whole group
@@ -98,6 +99,9 @@ class GatherScheduler:
         for u in units:
             self.chunk_units.setdefault(u.chunk, set()).add(u.uid)
         self.unused: set[int] | None = None  # a backward: its chunk's units it has not used yet
+        # a chunk's own units are parked from its forward to its backward only where the rank runs one chunk: with
+        # several (interleaved, zbv) another chunk's backward may run in between, which would hold them too
+        self.park_roots = len(self.chunk_units) == 1
 
     # -- passes ----------------------------------------------------------------------------------------------
     def begin(self, phase: int, chunk: int | None = None) -> None:
@@ -223,6 +227,8 @@ class GatherScheduler:
             unit.staged_in_full = False
             unit.staging_slot = self.slots.take_back(unit.full.untyped_storage())
             unit.staging = unit.staging_slot.view(unit.full.dtype)[: unit.numel]
+        elif unit.is_root and self.phase == FWD and self.park_roots and torch.is_grad_enabled():
+            self.slots.park(unit.full.untyped_storage())  # its backward gathers it next (:mod:`.slots`, "Parking")
         else:
             self.slots.empty(unit.full.untyped_storage())
         for p in unit.params:

@@ -41,6 +41,8 @@ class SlotPool:
         self.count = 0  # slots ever created (none is freed)
         self._lent: dict[int, torch.Tensor] = {}  # storage key -> the slot whose memory it holds now
         self.keep = True  # idle slots are kept for the next borrower (False: freed, see :meth:`drain`)
+        self.parking = True  # :meth:`park` keeps memory aside (False: it frees it; for A/B benchmarks)
+        self._parked: dict[int, torch.Tensor] = {}  # storage key -> a uint8 holder of its memory while released
 
     def _take(self) -> torch.Tensor:
         if self.idle:
@@ -49,7 +51,12 @@ class SlotPool:
         return torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
 
     def fill(self, storage: torch.UntypedStorage, nbytes: int, pooled: bool = True) -> None:
-        """Give the empty ``storage`` ``nbytes``: a slot's memory where it fits (and ``pooled``), else its own."""
+        """Give the empty ``storage`` ``nbytes``: the memory it parked, else a slot's where it fits (and
+        ``pooled``), else its own."""
+        parked = self._parked.pop(storage._cdata, None)
+        if parked is not None and parked.untyped_storage().nbytes() == nbytes:
+            storage._swap_data_ptr_(parked.untyped_storage())
+            return
         if pooled and SWAP and 0 < nbytes <= self.slot_bytes:
             slot = self._take()
             storage._swap_data_ptr_(slot.untyped_storage())
@@ -64,6 +71,21 @@ class SlotPool:
             storage.resize_(0)
             return
         self.give_back(slot)
+
+    def park(self, storage: torch.UntypedStorage) -> None:
+        """Empty ``storage`` (its own memory, not a slot's) but keep that memory aside for its next :meth:`fill`
+        (module docstring, "Parking"); a slot's memory goes back to the pool as in :meth:`empty`."""
+        if not (SWAP and self.parking) or self.lent(storage) or storage.nbytes() == 0:
+            self.empty(storage)
+            return
+        holder = torch.empty(0, dtype=torch.uint8, device=self.device)
+        holder.untyped_storage()._swap_data_ptr_(storage)  # the holder has the memory, ``storage`` is empty
+        n = holder.untyped_storage().nbytes()
+        self._parked[storage._cdata] = holder.set_(holder.untyped_storage(), 0, (n,), (1,))
+
+    def parked(self, storage: torch.UntypedStorage) -> bool:
+        """Whether ``storage``'s memory is parked (:meth:`park`)."""
+        return storage._cdata in self._parked
 
     def lent(self, storage: torch.UntypedStorage) -> bool:
         """Whether ``storage`` holds a slot's memory now."""
@@ -106,5 +128,5 @@ class SlotPool:
         self.keep = True
 
     def held(self) -> list[torch.Tensor]:
-        """The idle slots (lent ones are held by their borrowers)."""
-        return list(self.idle)
+        """The idle slots (lent ones are held by their borrowers) and the parked memory."""
+        return list(self.idle) + list(self._parked.values())

@@ -1,0 +1,86 @@
+"""ZeRO-3 parks a chunk's own units between a forward and its backward (megazero/zero/stage3/slots.py, "Parking").
+
+One 2-rank world, a tied 2-layer GPT with every parameter sharded (persistence 0, so the embeddings form the
+chunk's own unit), fp32. Measured on the storages themselves: the backward gathers the own unit into the very
+memory its forward released (one allocation per step, not two), which is held aside meanwhile and freed by the
+backward's release; and the step's tracked peak is the same with parking on and off.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _park_world(ctx) -> dict:
+    from megazero.config.schema import OptimizerConfig, ZeroConfig, model_preset
+    from megazero.model import GPT, init_parameters
+    from megazero.observe.memory import PeakMemoryTracker, zero_buffers
+    from megazero.zero import ZeroOptimizer
+
+    torch.set_num_threads(1)
+    cfg = model_preset("tiny", num_layers=2, hidden_size=64, num_heads=4, seq_len=32, vocab_size=512)
+    model = GPT(cfg)
+    init_parameters(model, 1234)
+    opt = ZeroOptimizer(model, ZeroConfig(stage=3, stage3_param_persistence_threshold=0), OptimizerConfig(),
+                        ctx.dp_group, precision="fp32")
+    store, slots = opt.store, opt.store.slots
+    root = next(u for u in store.units if u.is_root and any(p is model.wte.weight for p in u.params))
+    g = torch.Generator().manual_seed(7 + ctx.dp_rank)
+    x, y = torch.randint(0, 512, (2, 32), generator=g), torch.randint(0, 512, (2, 32), generator=g)
+    fills: list[tuple[int, int]] = []  # (data pointer, bytes) of the own unit's storage after each fill
+    fill = slots.fill
+
+    def recording_fill(storage, nbytes, pooled=True):
+        fill(storage, nbytes, pooled)
+        if storage._cdata == root.full.untyped_storage()._cdata:
+            fills.append((storage.data_ptr(), storage.nbytes()))
+
+    slots.fill = recording_fill
+    out: dict = {}
+
+    def step(probe: bool = False):
+        opt.zero_grad()
+        loss = model(x, y).sum()
+        if probe:  # between the forward and its backward
+            st = root.full.untyped_storage()
+            held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in slots.held()}
+            out["between"] = {"storage_bytes": st.nbytes(), "parked": slots.parked(st),
+                              "held_at_forward_ptr": held.get(fills[-1][0], 0)}
+        opt.backward(loss / 128)
+        if probe:
+            out["after"] = {"parked": slots.parked(root.full.untyped_storage()),
+                            "held": sum(t.untyped_storage().nbytes() for t in slots.held())}
+        opt.step(1e-3)
+        return loss.detach()
+
+    out["full_bytes"] = root.full_bytes
+    step()
+    fills.clear()
+    out["loss"] = float(step(probe=True))
+    out["fills"] = list(fills)
+    peaks = {}
+    for parking in (False, True, False, True):  # alternated: glibc's state is not part of a tracked peak
+        slots.parking = parking
+        tracker = PeakMemoryTracker("cpu", lambda: zero_buffers(opt), [model])
+        with tracker:
+            step()
+        peaks.setdefault(parking, []).append(tracker.result()["peak_bytes"])
+    out["peaks"] = peaks
+    return out
+
+
+def test_own_units_are_parked_from_forward_to_backward():
+    """The backward's gather of the chunk's own unit (the tied embedding) lands in the memory its forward used,
+    held aside in between (the storage itself empty, as released) and freed once backward releases it; the
+    step's tracked peak does not change with parking."""
+    from tests.dist import run_world
+
+    for r in run_world(_park_world, 2, timeout=300):
+        (f_ptr, f_bytes), (b_ptr, b_bytes) = r["fills"]  # the forward's gather, the backward's
+        assert f_bytes == b_bytes == r["full_bytes"] > 0, r
+        assert b_ptr == f_ptr, r["fills"]
+        assert r["between"] == {"storage_bytes": 0, "parked": True, "held_at_forward_ptr": r["full_bytes"]}, r
+        assert r["after"]["parked"] is False, r
+        on, off = r["peaks"][True], r["peaks"][False]
+        assert on[0] == on[1] and off[0] == off[1], r["peaks"]
+        assert on[0] == off[0], r["peaks"]
