@@ -160,10 +160,13 @@ class Engine:
             self.activation_peak_bytes = max(self.activation_peak_bytes, stats.peak_activation_bytes)
         loss_t = self._global_loss(stats.loss_sum, tokens)
         sq_norm_t = opt.prepare_step()
+        lr = self.lr()
+        on_device = opt.steps_on_device
+        if on_device:  # clip and skip decided on the device: the update is issued before the read, not after it
+            opt.launch_step(lr, sq_norm_t)
         # the step's one read from the device: loss, squared gradient norm and token count together
         loss, sq_norm, n_tokens = device_io.read(torch.stack([loss_t, sq_norm_t.to(loss_t.dtype), tokens]))
-        lr = self.lr()
-        step_stats = opt.finish_step(lr, sq_norm)
+        step_stats = opt.settle_step(sq_norm) if on_device else opt.finish_step(lr, sq_norm)
         self.ctx.ledger.mark_step()
         self.step += 1
         return StepResult(

@@ -22,7 +22,7 @@ ADAM_CHUNK = 1 << 23
 
 def adam_update(p: torch.Tensor, g: OwnedGrads, lr: float, lo: int, hi: int, *, cfg: OptimizerConfig, step: int,
                 decay_runs: Sequence[tuple[int, int]], exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                step_tensor: torch.Tensor | None = None) -> None:
+                step_tensor: torch.Tensor | None = None, found_inf: torch.Tensor | None = None) -> None:
     """One Adam/AdamW update of the owned elements [lo, hi) of a flat partition, held in ``p``.
 
     ``g`` gives their gradients (fp32 views), ``exp_avg``/``exp_avg_sq`` are the whole partition's moments,
@@ -31,7 +31,8 @@ def adam_update(p: torch.Tensor, g: OwnedGrads, lr: float, lo: int, hi: int, *, 
     Runs torch's fused Adam(W) kernel (CPU and CUDA) over the flat buffer's runs: the weight-decayed runs
     (matrices) in one call, the others in a second; falls back to the same arithmetic in plain ops. The
     kernel reads Adam's step from a tensor on ``p``'s device: ``step_tensor`` (holding ``step``, kept by the
-    caller and advanced once per step) serves every run, so a step makes no tensor per run.
+    caller and advanced once per step) serves every run, so a step makes no tensor per run. ``found_inf`` (a
+    0-dim tensor on ``p``'s device, fused kernel only) skips the update where it is nonzero, decided on the device.
     """
     beta1, beta2 = cfg.betas
     t = step
@@ -62,8 +63,10 @@ def adam_update(p: torch.Tensor, g: OwnedGrads, lr: float, lo: int, hi: int, *, 
         wd = cfg.weight_decay if decayed else 0.0
         if fused is not None:
             fused(ps, gs, ms, vs, [], [step_tensor] * len(sel), lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd,
-                  eps=cfg.eps, amsgrad=False, maximize=False)
+                  eps=cfg.eps, amsgrad=False, maximize=False, found_inf=found_inf)
             continue
+        if found_inf is not None:
+            raise RuntimeError("adam_update: found_inf needs torch's fused Adam kernel")
         for pp, gg, m, v in zip(ps, gs, ms, vs):
             if wd and cfg.decoupled_weight_decay:
                 pp.mul_(1 - lr * wd)

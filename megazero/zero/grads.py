@@ -90,7 +90,7 @@ class OwnedGrads:
         if t.dtype == torch.float32:
             return t
         out = t.float()
-        return out.mul_(self._factor) if self._factor != 1.0 else out
+        return out if _is_one(self._factor) else out.mul_(self._factor)
 
     def fp32_runs(self, runs: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
         """:meth:`fp32` of each ``[a, b)`` of ``runs`` (sorted, each within one part): views of fp32 parts; for
@@ -109,11 +109,17 @@ class OwnedGrads:
             i = j + 1
         return out
 
-    def scale_(self, factor: float) -> None:
-        """Multiply every gradient by ``factor`` (unscaling and clipping)."""
-        if factor == 1.0:
+    def scale_(self, factor: float | torch.Tensor) -> None:
+        """Multiply every gradient by ``factor`` (unscaling and clipping): a number, or a 0-dim device tensor
+        (a coefficient decided on the device, never read back)."""
+        if _is_one(factor):
             return
         for t in self.parts:
             if t.dtype == torch.float32:
                 t.mul_(factor)
-        self._factor *= factor
+        self._factor = self._factor * factor
+
+
+def _is_one(factor: float | torch.Tensor) -> bool:
+    """Whether ``factor`` is the number 1 (a tensor is never taken as one: comparing it would read the device)."""
+    return not isinstance(factor, torch.Tensor) and factor == 1.0

@@ -357,10 +357,59 @@ class ZeroOptimizer:
             self.scaler.update(overflow=False)
         return StepStats(grad_norm=norm, skipped=False, loss_scale=self.loss_scale)
 
+    @property
+    def steps_on_device(self) -> bool:
+        """Whether the step's decisions can be taken on the device, so that its one host read may come after the
+        update is launched (:meth:`launch_step`, then :meth:`settle_step` with the value read): no loss scaler
+        (its scale is decided on the host), Adam on the device (not the host's under offload) and torch's fused
+        kernel (its ``found_inf`` skips a non-finite step). Otherwise :meth:`finish_step` takes the norm read
+        first, and the device idles while the update is issued."""
+        fused = getattr(torch, "_fused_adamw_" if self.opt_cfg.decoupled_weight_decay else "_fused_adam_", None)
+        return self.scaler is None and self.host is None and not self.offload_param and fused is not None
+
+    def launch_step(self, lr: float, sq_norm: torch.Tensor) -> None:
+        """:meth:`finish_step`'s update with no host read: given :meth:`prepare_step`'s squared norm as a device
+        tensor, clip by the global norm on the device (``torch.nn.utils.clip_grad_norm_``'s coefficient) and update,
+        the fused Adam told by ``found_inf`` to leave weights and moments untouched when the norm is not finite
+        (every rank sees the same sum, so all skip). :meth:`settle_step` then does the host's bookkeeping."""
+        g = self._grads
+        if g is None:
+            raise RuntimeError("ZeroOptimizer.launch_step called without prepare_step for this step")
+        if not self.steps_on_device:
+            raise RuntimeError("ZeroOptimizer.launch_step needs steps_on_device (no loss scaler, no offload)")
+        self._grads = None
+        sq = sq_norm.to(self.state.exp_avg.device, non_blocking=True)
+        finite = torch.isfinite(sq)
+        if self.opt_cfg.clip_grad > 0:
+            coef = torch.clamp(self.opt_cfg.clip_grad / (sq.sqrt() + 1e-6), max=1.0)
+            g.scale_(torch.where(finite, coef, torch.ones_like(coef)))  # (a skipped step's gradients go unused)
+        self._adam(g, lr, found_inf=(~finite).float())
+        if self.state.master is not None:
+            self.state.write_params()
+        del g
+        self.store.after_step()
+
+    def settle_step(self, sq_norm: float) -> StepStats:
+        """The host's side of a step launched by :meth:`launch_step`, given the squared norm read back: count a
+        skipped step (its update did nothing on the device) and report the norm."""
+        sq = float(sq_norm)
+        if not math.isfinite(sq):
+            self.step_count -= 1  # the fused kernel left this step out
+            self.skipped_steps += 1
+            self.consecutive_skips += 1
+            return StepStats(grad_norm=sq, skipped=True, loss_scale=None)
+        self.consecutive_skips = 0
+        return StepStats(grad_norm=math.sqrt(sq), skipped=False, loss_scale=None)
+
     def step(self, lr: float) -> StepStats:
         """Reduce gradients, check for fp16 overflow, clip by the global norm, update with learning rate ``lr``
-        (:meth:`prepare_step` then :meth:`finish_step`, reading the norm back in between)."""
-        return self.finish_step(lr, device_io.read(self.prepare_step())[0])
+        (:meth:`prepare_step`, then the update and one read of the norm: the update first where
+        :attr:`steps_on_device`, else :meth:`finish_step` after the read)."""
+        sq = self.prepare_step()
+        if self.steps_on_device:
+            self.launch_step(lr, sq)
+            return self.settle_step(device_io.read(sq)[0])
+        return self.finish_step(lr, device_io.read(sq)[0])
 
     def check_skipped_steps(self, step: int) -> None:
         """Raise :class:`NonFiniteGradientError` once ``OptimizerConfig.max_skipped_steps`` steps in a row (0:
@@ -375,10 +424,10 @@ class ZeroOptimizer:
                 f"--max-skipped-steps ({limit}) to tolerate more")
 
     @torch.no_grad()
-    def _adam(self, g: OwnedGrads, lr: float) -> None:
+    def _adam(self, g: OwnedGrads, lr: float, found_inf: torch.Tensor | None = None) -> None:
         """``torch.optim.Adam``/``AdamW`` (single-tensor arithmetic) on the owned partition: on the host under
         offload; a separate fp32 master is updated in chunks, so 16-bit gradients are converted to fp32 one
-        chunk at a time."""
+        chunk at a time. A nonzero ``found_inf`` (a device tensor) makes the fused kernel skip the update."""
         self.step_count += 1
         if self._step_tensor is None:  # Adam's step for the fused kernel: one tensor beside the moments, kept
             self._step_tensor = torch.zeros((), dtype=torch.float32, device=self.state.exp_avg.device)
@@ -386,7 +435,8 @@ class ZeroOptimizer:
 
         def update(p: torch.Tensor, lo: int, hi: int) -> None:  # owned elements [lo, hi), held in ``p``
             adam_update(p, g, lr, lo, hi, cfg=self.opt_cfg, step=self.step_count, decay_runs=self._decay_runs,
-                        exp_avg=self.state.exp_avg, exp_avg_sq=self.state.exp_avg_sq, step_tensor=self._step_tensor)
+                        exp_avg=self.state.exp_avg, exp_avg_sq=self.state.exp_avg_sq, step_tensor=self._step_tensor,
+                        found_inf=found_inf)
 
         master = self.state.master
         if self.host is not None:  # each updated chunk is copied back to the device parameters
