@@ -7,6 +7,7 @@ bench/plain_llama.py for Llama), in the same run.
     python bench/gpu.py --offload optimizer                     # largest GPT trainable with ZeRO-Offload
     python bench/gpu.py --offload optimizer --offload-layers 4  #   ... or a GPT of 4 x 4096 layers, quicker
     python bench/gpu.py --offload all                           #   ... with optimizer + parameter offload
+    python bench/gpu.py --offload optimizer --offload-delayed-update 1  # the host Adam beside the next step (DPU)
     python bench/gpu.py --device cpu --model tiny --steps 2     # CPU smoke run (tests/test_bench_gpu.py)
     python bench/gpu.py --summary OUTDIR                        # the table of bench/gpu_check.sh's results
 
@@ -21,7 +22,10 @@ largest the estimator says fits the host memory (fp32 master + Adam moments + an
 16 bytes per parameter) and the device (or takes ``--offload-layers``), trains it a few steps, states that host
 bound and splits each step into the device's compute, the gradients' copy to the host and the host Adam with
 the parameters' copy back (timed around megazero.zero.offload.HostOffload's two calls, with a device
-synchronisation before each, so the split costs a little overlap).
+synchronisation before each, so the split costs a little overlap). With ``--offload-delayed-update AFTER`` (the
+one-step delayed update after AFTER synchronous steps) the split is the wait for the previous step's host Adam
+(the part the device's step did not hide) and the copies (gradients to the host, parameters back) with the
+thread's start.
 """
 
 from __future__ import annotations
@@ -113,9 +117,13 @@ class OffloadSplit:
     after a device synchronisation, so the device's compute is not counted in it, and ends with one."""
 
     CALLS = {"owned_grads": "copy_to_host_s", "adam": "host_adam_and_copy_back_s"}
+    # --offload-delayed-update: the wait for the previous step's host Adam (the part the device's step did not
+    # hide), then adam(): the gradients' copy to the host, the parameters' copy back and the thread's start
+    DELAYED = {"begin_step": "host_adam_wait_s", "adam": "copies_and_launch_s"}
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, delayed: bool = False) -> None:
         self.device = device
+        self.CALLS = self.DELAYED if delayed else self.CALLS
         self.totals = dict.fromkeys(self.CALLS.values(), 0.0)
         self.steps: list[dict[str, float]] = []
         self._saved: dict[str, object] = {}
@@ -317,6 +325,9 @@ def parser() -> argparse.ArgumentParser:
                    help="instead: the largest GPT with optimizer (or optimizer + parameter) offload")
     p.add_argument("--offload-layers", type=int, default=None,
                    help="--offload: this many 4096-wide layers instead of the largest that fits")
+    p.add_argument("--offload-delayed-update", type=int, default=None, metavar="AFTER",
+                   help="--offload: the one-step delayed parameter update (the host Adam of step t beside the device's "
+                        "step t+1), starting after AFTER synchronous steps (default: off)")
     p.add_argument("--global-batch-size", type=int, default=None,
                    help="--offload: sequences per optimizer step, by gradient accumulation of --micro-batch-size "
                         "(default 1) micro-batches (default: one micro-batch)")
@@ -349,13 +360,15 @@ def _offload(args, device, ctx, peak: float | None, ceiling: float, out: dict) -
     extra = ["--zero-stage", "3", "--offload-optimizer", "--offload-param"] if args.offload == "all" else \
         ["--zero-stage", "1", "--offload-optimizer"]
     extra += ["--no-compile"] if args.offload == "all" else []
+    if args.offload_delayed_update is not None:
+        extra += ["--offload-delayed-update", "--offload-delayed-update-after", str(args.offload_delayed_update)]
     print(f"offload {args.offload}: {m.num_layers} layers x {m.hidden_size} = {m.num_parameters() / 1e9:.2f}B parameters;"
           f" host {bound['host_bytes'] / 2**30:.0f} GiB bounds it at "
           f"{bound.get('host_bound_params', 0) / 1e9:.2f}B", flush=True)
-    out.update(offload=args.offload, model=vars_of(m), bound=bound)
+    out.update(offload=args.offload, model=vars_of(m), bound=bound, delayed_update_after=args.offload_delayed_update)
     micro = args.micro_batch_size or 1
     accumulation = max(1, (args.global_batch_size or micro) // micro)
-    with OffloadSplit(device) as split:
+    with OffloadSplit(device, delayed=args.offload_delayed_update is not None) as split:
         res = _speed(run_megazero(ctx, "tiny", m, micro, args, device, extra, split=split,
                                   accumulation=accumulation), m, peak, ceiling)
     out["megazero"] = res

@@ -62,6 +62,21 @@ def _status(rc: str) -> str:
     return {"-": "skipped (no time left)", "124": "TIMED OUT", "137": "TIMED OUT (killed)"}.get(rc, f"FAILED rc {rc}")
 
 
+def _offload_line(off: dict | None, name: str) -> list[str]:
+    """One line for bench/gpu.py's offload result ``off`` (read from ``name``): the step, MFU and split."""
+    if off is None:
+        return [f"offload ({name}): no result"]
+    mz, m = off.get("megazero") or {}, off.get("model") or {}
+    split = mz.get("offload_split") or {}
+    parts = ", ".join(f"{k.removesuffix('_s')} {v:.3f} s" for k, v in split.items()) or "no split"
+    after = off.get("delayed_update_after")
+    mode = f" delayed update after {after}" if after is not None else ""
+    return [f"offload {off.get('offload')}{mode}: {m.get('num_layers')} x {m.get('hidden_size')} "
+            f"({(mz.get('params') or 0) / 1e9:.2f}B), {_ms(mz)} ms/step, "
+            f"{mz.get('tflops_per_gpu') or 0:.1f} TFLOP/s, MFU {_pct(mz.get('mfu'))}; per step: {parts}"
+            + (f"; error: {off['error'][:100]}" if off.get("error") else "")]
+
+
 def summary(outdir: str, status_file: str | None = None, models: tuple[str, ...] = BENCH_ORDER) -> str:
     rows, head = [], None
     for model in models:
@@ -86,17 +101,8 @@ def summary(outdir: str, status_file: str | None = None, models: tuple[str, ...]
     lines += ["| model | micro-batch x seq | megazero ms/step | plain ms/step | ratio (tokens/s) | MFU megazero | "
               "MFU plain | peak / estimate GiB megazero | peak GiB plain |",
               "|---|---|---|---|---|---|---|---|---|", *rows]
-    off = _load(os.path.join(outdir, "offload.json"))
-    if off is None:
-        lines.append("offload: no result")
-    else:
-        mz, m = off.get("megazero") or {}, off.get("model") or {}
-        split = mz.get("offload_split") or {}
-        parts = ", ".join(f"{k.removesuffix('_s')} {v:.3f} s" for k, v in split.items()) or "no split"
-        lines.append(f"offload {off.get('offload')}: {m.get('num_layers')} x {m.get('hidden_size')} "
-                     f"({(mz.get('params') or 0) / 1e9:.2f}B), {_ms(mz)} ms/step, "
-                     f"{mz.get('tflops_per_gpu') or 0:.1f} TFLOP/s, MFU {_pct(mz.get('mfu'))}; per step: {parts}"
-                     + (f"; error: {off['error'][:100]}" if off.get("error") else ""))
+    for name in ("offload.json", "offload-dpu.json"):  # (the second: gpu_check.sh's delayed-update run)
+        lines += _offload_line(_load(os.path.join(outdir, name)), name)
     prof = _load(os.path.join(outdir, "profile.json"))
     if prof is None or "kernels_per_step" not in prof:
         lines.append("profile: no result" + (f" (error: {prof['error'][:100]})" if prof and prof.get("error") else ""))

@@ -105,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
         "memory and step on the CPU (ZeRO-Offload; stages 1-3)", action="store_const", const="cpu")
     add(g, "--offload-param", "zero.offload_param", "keep ZeRO-3 parameter shards in host memory",
         action="store_const", const="cpu")
+    add(g, "--offload-delayed-update", "zero.offload_delayed_update", "with --offload-optimizer: DeepSpeed's one-step "
+        "delayed parameter update (DPU): the host Adam of step t runs in a background thread while the device "
+        "computes step t+1 on the parameters of step t-1; step t's update lands at the end of step t+1",
+        action="store_const", const=True)
+    add(g, "--offload-delayed-update-after", "zero.offload_delayed_update_after", "with --offload-delayed-update: "
+        "optimizer steps run without the delay first (DeepSpeed starts DPU after a few warm-up steps)", type=int)
     add(g, "--reduce-bucket-size", "zero.reduce_bucket_size", "ZeRO 0-2: elements per gradient bucket "
         "(zero_optimization.reduce_bucket_size; None: derived from the model, ZeroConfig.bucket_numel)", type=int)
     g.add_argument("--overlap-comm", "--no-overlap-comm", dest="zero.overlap_comm", action=_OnOff,

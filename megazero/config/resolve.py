@@ -244,6 +244,11 @@ def resolve_config(cfg: Cfg, world_size: int, device_type: str = "cpu") -> Cfg:
              f"(--zero-stage 3), got stage {z.stage}")
     _require(z.offload_optimizer is None or z.stage >= 1, "zero_optimization.offload_optimizer needs ZeRO "
              "stage >= 1 (--zero-stage)")
+    _require(not z.offload_delayed_update or z.offload_optimizer == "cpu", "--offload-delayed-update runs the "
+             "offloaded host Adam one step late: it needs --offload-optimizer (zero_optimization.offload_optimizer."
+             "device cpu)")
+    _require(z.offload_delayed_update_after >= 0, "--offload-delayed-update-after must be >= 0, got "
+             f"{z.offload_delayed_update_after}")
     _check_zeropp(cfg, world_size)
     ac = cfg.activation_checkpointing
     _choice("--activation-checkpointing", ac.mode, CHECKPOINTING_MODES)

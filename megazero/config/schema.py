@@ -186,6 +186,10 @@ class ZeroConfig:
     offload_param: str | None = None  # "cpu": ZeRO-3 parameter shards in host memory
     offload_optimizer_pin_memory: bool = False  # zero_optimization.offload_optimizer.pin_memory
     offload_param_pin_memory: bool = False  # zero_optimization.offload_param.pin_memory
+    # ZeRO-Offload's one-step delayed parameter update (megazero/zero/offload.py): the host Adam of step t runs in a
+    # background thread while the device computes step t + 1, and lands at the next step boundary
+    offload_delayed_update: bool = False
+    offload_delayed_update_after: int = 0  # optimizer steps run synchronously before the delay starts
     max_inflight_buckets: int = 2  # stage 2: buckets being filled or reduced at once (staging buffers)
     grad_dtype: str = "auto"  # accumulate/reduce gradients in: auto (fp32 for bf16, else model), fp32, model
     # ZeRO++ (megazero/zero/stage3/hpz.py, megazero/zero/qgz.py)

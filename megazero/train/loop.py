@@ -220,6 +220,7 @@ def run_training(cfg: Config, ctx: ParallelContext, device: torch.device | None 
             summary.tokens += res.tokens
             eval_loss = None
             if eval_batches and (step % t.eval_interval == 0 or step == t.train_steps):
+                engine.optimizer.flush()  # offload's delayed update lands first (megazero/zero/offload.py)
                 if warming and not evaluated:  # the first evaluation compiles the blocks again (eval mode)
                     set_collective_timeout(first_timeout_s, process_groups())
                 eval_loss = sum(engine.eval_loss(b) for b in eval_batches) / len(eval_batches)
@@ -230,6 +231,7 @@ def run_training(cfg: Config, ctx: ParallelContext, device: torch.device | None 
                 summary.eval_losses.append((step, eval_loss))
             samples = None
             if prompts and ((t.eval_interval and step % t.eval_interval == 0) or step == t.train_steps):
+                engine.optimizer.flush()
                 samples = generate_samples(engine, tokenizer, prompts, cfg.logging.sample_tokens)
                 summary.samples.append((step, samples))
             engine.optimizer.check_skipped_steps(step)  # non-finite gradient norms: skipped, stop after too many
@@ -257,6 +259,7 @@ def run_training(cfg: Config, ctx: ParallelContext, device: torch.device | None 
                     else:
                         log.info(msg)
             if t.save is not None and (step == t.train_steps or (t.save_interval and step % t.save_interval == 0)):
+                engine.optimizer.flush()  # a checkpoint holds the parameters and moments of one step
                 saved = save_checkpoint(engine, sampler, t.save, tokenizer, t.keep_last)
             if bar is not None:
                 bar.set_postfix(loss=f"{res.loss:.3f}", lr=f"{res.lr:.1e}")
@@ -264,10 +267,13 @@ def run_training(cfg: Config, ctx: ParallelContext, device: torch.device | None 
             if step == first:
                 first_done = time.perf_counter()
     finally:
+        if engine.optimizer.host is not None:  # no host Adam thread outlives the loop, even one that raised
+            engine.optimizer.host.join()
         loader.close()
         if bar is not None:
             bar.close()
         writer.close()
+    engine.optimizer.flush()  # the end of training: offload's delayed update lands
     engine.check_tied_embeddings()
     summary.seconds = time.perf_counter() - start
     if summary.losses:

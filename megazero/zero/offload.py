@@ -18,8 +18,7 @@ GPU is present, so the copies below are asynchronous). A step runs over sub-grou
    ``adam_update_copy``), moving 2 bytes per element for one more pass over host memory. Off by default until
    a GPU run says which costs less.
 
-The arithmetic is the non-overlapped step's, so the result is the same bit for bit (tests/test_offload.py);
-DeepSpeed's one-step delayed parameter update, which changes it, is not implemented. In fp32 the device
+The arithmetic is the non-overlapped step's, so the result is the same bit for bit (tests/test_offload.py). In fp32 the device
 parameters need a separate host master copy (:class:`~megazero.zero.state.OwnedState` keeps one whenever
 offload is on). ``offload_param: {device: cpu}`` (stage 3) is the store's part: :mod:`.stage3` keeps the
 parameter shards in host memory and moves each to the device just before its all-gather. With both, Adam runs
@@ -27,10 +26,42 @@ here and writes the host shards. With ``offload_param`` alone, the optimizer's s
 fp32 master (kept apart from the host shards even in fp32), the moments and the gradients are all device
 tensors, Adam runs there, and the updated master is then written into the host shards in the model dtype (one
 copy of Ψ/Nd per step, where DeepSpeed would refuse the combination or mix devices in its optimizer call).
+
+**The one-step delayed parameter update** (``--offload-delayed-update``, ZeRO-Offload's DPU; off by default). The
+pipelined step above still leaves the device idle while the host Adam runs. With DPU the host Adam of step t runs
+in a background thread (torch's ops release the GIL) while the device computes step t + 1, and its result lands
+at the end of step t + 1. The exact semantics, with θ_t the master after step t's update:
+
+* Step t's forward and backward see θ_{t-2} (θ_{t-1} when step t - 1 was not delayed). Step t's update is still
+  Adam(θ_{t-1}, g_t) on the host master: only the gradient is one step stale, as in DeepSpeed.
+* At the end of step t (:meth:`begin_step`, then :meth:`adam`: :meth:`stage_delayed`, :meth:`land`,
+  :meth:`launch`):
+  1. step t - 1's thread is joined: it is done with the one fp32 host gradient buffer and the master;
+  2. g_t's device-to-host copy into that buffer is issued (on the side stream when pinned);
+  3. θ_{t-1} is copied from the master into the device parameters (on the compute stream, beside 2.; the store
+     then all-gathers them: a collective, so on the main thread), so step t + 1's forward sees θ_{t-1};
+  4. the compute stream waits for 2., so step t + 1's backward cannot overwrite the device gradients before they
+     left, and a new thread runs step t's Adam over the host master in sub-groups, once the copy-back of
+     θ_{t-1} (pinned: an event) and g_t's copy have completed.
+  With one host gradient buffer, g_t's copy waits for step t - 1's Adam to end (a second buffer, 4Ψ/Nd more host
+  memory, would let it run during that Adam).
+* The first ``offload_delayed_update_after`` steps run without the delay (DeepSpeed starts DPU after a few
+  warm-up steps); a skipped step (non-finite norm, an fp16 overflow: the norm is known before the update is
+  launched) launches nothing, and the pending update still lands at its end (the optimizer flushes).
+* The update a thread runs is the optimizer's own closure (``update``), the same arithmetic as the synchronous
+  step; it reads the optimizer's step count and step tensor, which change only after :meth:`begin_step` joined
+  it.
+* :meth:`land` without a launch is the flush (``ZeroOptimizer.flush``): the loop calls it before an evaluation,
+  samples, a checkpoint and at the end, and the optimizer's state reads (``owned_state``, ``master_params``,
+  the gathered walks) call it too, so a checkpoint holds the parameters and moments of one step. After a flush the
+  next forward sees the newest parameters (a resumed run starts the same way). A run that raises joins the thread
+  (:meth:`join`) and leaves the host state at a step boundary; a killed run resumes from its last checkpoint.
 """
 
 from __future__ import annotations
 
+import contextvars
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -54,7 +85,7 @@ class HostOffload:
     :func:`~megazero.zero.host_adam.host_threads` at each step)."""
 
     def __init__(self, pin: bool, chunk: int | None = None, threads: int | None = None,
-                 stage_out: bool = False) -> None:
+                 stage_out: bool = False, delayed_after: int | None = None) -> None:
         self.pin = pin
         self.chunk = chunk or SUB_GROUP
         self.threads = threads
@@ -65,6 +96,103 @@ class HostOffload:
         self.grads: torch.Tensor | None = None  # the fp32 host copy of the owned gradients, allocated once
         self._staged: StagedGrads | None = None  # this step's gradients, owned_grads -> adam
         self._stream: torch.cuda.Stream | None = None  # the device-to-host copies' side stream (pinned)
+        # the delayed update: None off, else the optimizer steps run synchronously before the delay starts
+        self.delayed_after = delayed_after
+        self._delayed: tuple[StagedGrads, torch.cuda.Event | None] | None = None  # stage_delayed -> launch
+        self._worker: _Worker | None = None  # the running (or finished, not yet landed) delayed Adam
+        self._copied_back: torch.cuda.Event | None = None  # the last copy-back out of the pinned master
+        self._delay_now = False  # this step's adam() is delayed (begin_step)
+
+    # -- the one-step delayed update (module docstring) -------------------------------------------------------
+    def delays(self, steps_done: int) -> bool:
+        """Whether the step after ``steps_done`` optimizer steps runs its Adam delayed."""
+        return self.delayed_after is not None and steps_done >= self.delayed_after
+
+    @property
+    def pending(self) -> bool:
+        """Whether a delayed update was launched and has not landed yet."""
+        return self._worker is not None
+
+    def begin_step(self, steps_done: int) -> None:
+        """Before the step after ``steps_done`` optimizer steps calls :meth:`adam`: wait for the pending update,
+        which is then done with the host gradient buffer and Adam's step tensor, and decide whether this step's
+        update is delayed."""
+        self.wait()
+        self._delay_now = self.delays(steps_done)
+
+    def _adam_delayed(self, master: torch.Tensor, segments: Sequence[OwnedSegment], starts: Sequence[int],
+                      update: Callable[[torch.Tensor, int, int], None]) -> None:
+        """:meth:`adam` of a delayed step: this step's gradients leave for the host, the previous update lands in
+        the parameters, and this step's update starts on a host thread (the module docstring's 2.-4.)."""
+        self.stage_delayed()
+        self.land(master, segments, starts)
+        self.launch(master, update)
+
+    def stage_delayed(self) -> StagedGrads:
+        """Issue the copy of this step's (scaled) gradients from the device into the fp32 host buffer, whole
+        (pinned: on the side stream; else at once), for :meth:`launch`; returns them, reading the host buffer from
+        now on. The buffer is single: the previous update must have finished reading it (:meth:`wait`)."""
+        g, self._staged = self._staged, None
+        if g is None:
+            raise RuntimeError("HostOffload.stage_delayed needs owned_grads first")
+        event = self._issue(g, 0, self.grads.numel(), first=True)
+        g.read_host()
+        self._delayed = (g, event)
+        return g
+
+    def land(self, master: torch.Tensor, segments: Sequence[OwnedSegment], starts: Sequence[int]) -> bool:
+        """Join the pending delayed update (re-raising its error) and copy the master into the device parameters,
+        sub-group by sub-group; False when none was pending. The caller all-gathers the parameters after."""
+        if self._worker is None:
+            return False
+        self.wait()
+        self._worker = None
+        for k, lo in enumerate(range(0, master.numel(), self.chunk)):
+            self._copy_back(master, segments, starts, k, lo, min(lo + self.chunk, master.numel()))
+        if self.pin:  # the next update writes the master only once these copies have read it
+            self._copied_back = torch.cuda.Event()
+            self._copied_back.record(torch.cuda.current_stream())
+        return True
+
+    def launch(self, master: torch.Tensor, update: Callable[[torch.Tensor, int, int], None]) -> None:
+        """Start ``update(master[lo:hi], lo, hi)`` over the sub-groups on a background thread, reading the gradients
+        :meth:`stage_delayed` copied (after their copy and the last copy-back out of the master completed); the
+        thread sees the caller's context (the emulated host of a test) and runs on :func:`host_threads` cores."""
+        if self._delayed is None or self._worker is not None:
+            raise RuntimeError("HostOffload.launch needs stage_delayed first and no update pending (land it)")
+        (g, copied), self._delayed = self._delayed, None
+        if self.pin:  # the next backward writes the device gradients only after they left
+            torch.cuda.current_stream().wait_stream(self._stream)
+        read_back, numel, chunk = self._copied_back, master.numel(), self.chunk
+        threads = self.threads or host_threads()
+
+        @torch.no_grad()
+        def run() -> None:
+            for event in (read_back, copied):
+                if event is not None:
+                    event.synchronize()
+            with using_threads(threads):
+                for lo in range(0, numel, chunk):
+                    hi = min(lo + chunk, numel)
+                    g.finish_chunk(lo, hi)
+                    update(master[lo:hi], lo, hi)
+
+        self._worker = _Worker(contextvars.copy_context(), run)
+        self._worker.start()
+
+    def wait(self) -> None:
+        """Wait for the pending delayed update to finish (it stays pending until :meth:`land`); re-raise its error."""
+        worker = self._worker
+        if worker is not None:
+            worker.join()
+            if worker.error is not None:
+                self._worker = None
+                raise RuntimeError("the delayed host Adam step failed") from worker.error
+
+    def join(self) -> None:
+        """Wait for a pending delayed update without landing it or raising (a run unwinding from an error)."""
+        if self._worker is not None:
+            self._worker.join()
 
     def fp32(self, numel: int, zero: bool) -> torch.Tensor:
         """An fp32 host tensor of ``numel`` elements (zeroed when ``zero``)."""
@@ -102,6 +230,9 @@ class HostOffload:
         :meth:`owned_grads` returned) sub-group by sub-group on the host master, pipelined with the copies:
         sub-group k+1's gradients are on their way to the host before sub-group k's update starts, and each
         updated sub-group is copied to the device parameters while the next one is computed."""
+        if self._delay_now:
+            self._adam_delayed(master, segments, starts, update)
+            return
         g, self._staged = self._staged, None  # None: the gradients are host tensors already (benchmarks)
         numel = master.numel()
         chunks = [(lo, min(lo + self.chunk, numel)) for lo in range(0, numel, self.chunk)]
@@ -152,3 +283,18 @@ class HostOffload:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream())
             self._out_done[k % 2] = event
+
+
+class _Worker(threading.Thread):
+    """A daemon thread running ``fn`` inside ``context``, keeping the exception it raised (for :meth:`HostOffload.land`)."""
+
+    def __init__(self, context: contextvars.Context, fn: Callable[[], None]) -> None:
+        super().__init__(name="megazero-host-adam", daemon=True)
+        self.context, self.fn = context, fn
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.context.run(self.fn)
+        except BaseException as e:  # re-raised on the main thread by land()
+            self.error = e

@@ -183,7 +183,8 @@ class ZeroOptimizer:
         self._grads: OwnedGrads | None = None  # this step's owned gradients, prepare_step -> finish_step
         self.offload = zero_cfg.offload_optimizer == "cpu"
         pin = zero_cfg.offload_optimizer_pin_memory and torch.cuda.is_available()
-        self.host = HostOffload(pin) if self.offload else None
+        delayed = zero_cfg.offload_delayed_update_after if zero_cfg.offload_delayed_update else None  # (resolve: offload)
+        self.host = HostOffload(pin, delayed_after=delayed) if self.offload else None
         self.mixed = self.dtype != torch.float32
         # parameter shards in host memory without optimizer offload: the fp32 master and the moments stay on the
         # device with the gradients (one device in the Adam call), the master apart from the host shards even in
@@ -336,6 +337,7 @@ class ZeroOptimizer:
         sq = float(sq_norm)
         scale = self.scaler.scale if self.scaler is not None else 1.0
         if not math.isfinite(sq):  # every rank saw the same non-finite sum: all skip
+            self.flush()  # (offload's delayed update: the previous step's still lands at this boundary)
             self.skipped_steps += 1
             if self.scaler is not None:
                 self.scaler.update(overflow=True)
@@ -348,6 +350,8 @@ class ZeroOptimizer:
         if self.opt_cfg.clip_grad > 0:
             coef = min(1.0, self.opt_cfg.clip_grad / (norm + 1e-6))
         g.scale_(coef / scale)
+        if self.host is not None:  # the delayed update: the previous one ends (then lands in host.adam, below)
+            self.host.begin_step(self.step_count)
         self._adam(g, lr)
         if self.state.master is not None and not self.offload:  # (offload copies each chunk back as it goes)
             self.state.write_params()
@@ -411,6 +415,16 @@ class ZeroOptimizer:
             return self.settle_step(device_io.read(sq)[0])
         return self.finish_step(lr, device_io.read(sq)[0])
 
+    def flush(self) -> bool:
+        """Land offload's pending delayed update, if any (:meth:`HostOffload.land
+        <megazero.zero.offload.HostOffload.land>`, then the parameters' all-gather: a collective over ``dp_group``
+        when one is pending, and every rank has the same pending state). Returns whether one was pending. The loop
+        calls it before an evaluation, samples, a checkpoint and at the end; the state reads below call it too."""
+        if self.host is None or not self.host.land(self.state.master, self.store.segments, self.state.starts):
+            return False
+        self.store.after_step()
+        return True
+
     def check_skipped_steps(self, step: int) -> None:
         """Raise :class:`NonFiniteGradientError` once ``OptimizerConfig.max_skipped_steps`` steps in a row (0:
         never) were skipped for a non-finite gradient norm without a loss scaler. Every rank skipped the same
@@ -452,6 +466,7 @@ class ZeroOptimizer:
     # -- inspection ----------------------------------------------------------------------------------------
     def master_params(self) -> dict[str, torch.Tensor]:
         """The full fp32 master value of every trainable parameter, by name (a collective over ``dp_group``)."""
+        self.flush()
         return self.state.master_params(self.model, self._comm_device)
 
     def gathered_parameters(self) -> Iterator[None]:
@@ -459,6 +474,7 @@ class ZeroOptimizer:
         collective over ``dp_group`` at stage 3, free otherwise (:func:`~megazero.zero.store.gathered`). At stage
         3 that is the whole replica at once: the engine's evaluation, export and checks never use it (forwards
         gather block by block through the hooks, :meth:`gathered_units` walks units); tests and small models do."""
+        self.flush()
         return gathered(self.store)
 
     def gathered_units(self, params: Sequence[nn.Parameter] | None = None) -> Iterator[list[nn.Parameter]]:
@@ -466,6 +482,7 @@ class ZeroOptimizer:
         loop moves on: the whole model at once at stages 0-2, one gather unit at a time at stage 3 (a collective
         over ``dp_group``; :func:`~megazero.zero.store.walk`). What export and the tied-embedding check use: it
         never holds more than two units, where :meth:`gathered_parameters` holds the whole replica."""
+        self.flush()
         return walk(self.store, params)
 
     def model_state_bytes(self) -> dict[str, int]:
@@ -481,7 +498,8 @@ class ZeroOptimizer:
     # -- checkpointing (canonical, topology-independent form; see megazero/checkpoint/canonical.py) --------------
     def owned_state(self) -> list[OwnedRun]:
         """The runs of parameter elements this rank updates, ``(param, offset, views)``
-        (:meth:`OwnedState.owned <megazero.zero.state.OwnedState.owned>`)."""
+        (:meth:`OwnedState.owned <megazero.zero.state.OwnedState.owned>`); a pending delayed update lands first."""
+        self.flush()
         return self.state.owned()
 
     def state_dict(self) -> dict[str, object]:
@@ -500,6 +518,7 @@ class ZeroOptimizer:
         The model's parameters become the master values rounded to the model dtype, and sharded parameters
         are all-gathered: a collective over ``dp_group`` that every rank must join.
         """
+        self.flush()  # (a pending delayed update would write the master while it is loaded)
         self.state.load(state["owned"])
         self.step_count = int(state["step_count"])
         if self.scaler is not None and state.get("loss_scaler") is not None:

@@ -1,0 +1,246 @@
+"""ZeRO-Offload's one-step delayed parameter update (``--offload-delayed-update``, megazero/zero/offload.py).
+
+The host memory is emulated on the CPU (``device_io.EmulatedHost``, as in tests/test_offload.py). Checked:
+parity with an independent plain-PyTorch reference that applies each step's AdamW update one step late (and a
+negative control: the undelayed reference does not match); the flush (parameters, moments and step count of one
+step, and a checkpoint resumed mid-run that trains exactly like the uninterrupted run); and the overlap itself,
+from timestamps taken inside the host Adam calls and around the next step's backward, with DPU off as the
+negative control.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import pytest
+import torch
+
+from megazero.config.cli import parse_args
+from megazero.config.errors import ConfigError
+from megazero.config.schema import ModelConfig, OptimizerConfig, ZeroConfig
+from megazero.distributed import device_io
+from megazero.distributed.group import Group
+from megazero.model.gpt import GPT, init_parameters
+from tests.common import normwise_error, train_runs
+from tests.dist import run_world
+
+OPT = OptimizerConfig(clip_grad=0.05)
+LR = 1e-2
+
+
+def _model() -> GPT:
+    model = GPT(ModelConfig(num_layers=2, hidden_size=64, num_heads=4, seq_len=32, vocab_size=512))
+    init_parameters(model, 0)
+    return model
+
+
+def _optimizer(model: GPT, delayed_after: int | None, precision: str = "fp32"):
+    from megazero.zero import ZeroOptimizer
+
+    zero = ZeroConfig(stage=2, offload_optimizer="cpu", offload_delayed_update=delayed_after is not None,
+                      offload_delayed_update_after=delayed_after or 0)
+    return ZeroOptimizer(model, zero, OPT, Group("solo", [0], None), precision=precision)
+
+
+def _batches(steps: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 512, (2, 32), generator=gen) for _ in range(steps)]
+
+
+def _loss(model, x: torch.Tensor) -> torch.Tensor:
+    return model(x, x).sum() / x.numel()
+
+
+def _reference(steps: int, delayed_after: int | None) -> tuple[list[float], GPT, GPT, torch.optim.AdamW]:
+    """Plain PyTorch: ``torch.optim.AdamW`` (decay on matrices only) and ``clip_grad_norm_`` on a master copy; the
+    forward copy is the master after each update, or (delayed steps: step s > delayed_after) the master before
+    it, so step s + 1's gradient is taken at θ_{s-1}. Returns the norms, the forward copy, the master, the Adam."""
+    fwd, master = _model(), _model()
+    params = list(master.parameters())
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": OPT.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    adam = torch.optim.AdamW(groups, lr=LR, betas=OPT.betas, eps=OPT.eps, foreach=False)
+    norms = []
+    for s, x in enumerate(_batches(steps), start=1):
+        fwd.zero_grad()
+        _loss(fwd, x).backward()
+        before = copy.deepcopy(master.state_dict())
+        for p, q in zip(master.parameters(), fwd.parameters()):
+            p.grad = q.grad.clone()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(master.parameters(), OPT.clip_grad)))
+        adam.step()
+        late = delayed_after is not None and s > delayed_after
+        fwd.load_state_dict(before if late else master.state_dict())
+    return norms, fwd, master, adam
+
+
+def _state(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone().float() for n, p in model.named_parameters()}
+
+
+def _train(steps: int, delayed_after: int | None, hook=None):
+    """megazero's ZeRO-2 with the optimizer offloaded to emulated host memory, ``steps`` steps; ``hook(s)`` runs
+    just before step s's backward. Returns norms, model, optimizer, unflushed."""
+    with device_io.use(device_io.EmulatedHost("cpu")):
+        model = _model()
+        opt = _optimizer(model, delayed_after)
+        norms = []
+        for s, x in enumerate(_batches(steps), start=1):
+            opt.zero_grad()
+            loss = _loss(model, x)
+            if hook is not None:
+                hook(s)
+            opt.backward(loss)
+            norms.append(opt.step(LR).grad_norm)
+    return norms, model, opt
+
+
+@pytest.mark.parametrize("after", [0, 2])
+def test_delayed_update_matches_plain_adamw_applied_one_step_late(after):
+    """fp32, 5 steps, clipping active, the delay from step 1 or after 2 synchronous steps: every gradient norm and
+    the parameters equal the late-applying reference; before the flush the device parameters are the reference's
+    forward copy (θ_4), after it its master (θ_5), with the moments and step count of step 5. The undelayed
+    reference is far off (the negative control)."""
+    steps = 5
+    norms, model, opt = _train(steps, after)
+    ref_norms, fwd, master, adam = _reference(steps, after)
+    assert opt.host.pending
+    assert norms == pytest.approx(ref_norms, rel=1e-5)
+    stale = normwise_error(_state(model), _state(fwd))
+    assert stale < 1e-5, stale
+    assert normwise_error(_state(model), _state(master)) > 1e-3  # the last update has not landed yet
+    owned = opt.state_dict()["owned"]  # a state read flushes first
+    assert not opt.host.pending and opt.step_count == steps
+    err = normwise_error(_state(model), _state(master))
+    assert err < 1e-5, err
+    moments = {n: adam.state[p]["exp_avg"].reshape(-1) for n, p in master.named_parameters()}
+    values = {n: p.detach().reshape(-1) for n, p in master.named_parameters()}
+    names = {p: n for n, p in model.named_parameters()}
+    got, want = {}, {}  # this rank's runs of master and exp_avg against the reference's same elements
+    for i, (p, offset, views) in enumerate(owned):
+        n, size = names[p], views["master"].numel()
+        got[f"m{i}"], want[f"m{i}"] = views["master"], values[n][offset: offset + size]
+        got[f"v{i}"], want[f"v{i}"] = views["exp_avg"], moments[n][offset: offset + size]
+    for kind in "mv":
+        err = normwise_error({k: v for k, v in got.items() if k[0] == kind},
+                             {k: v for k, v in want.items() if k[0] == kind})
+        assert err < 1e-5, (kind, err)
+    _, _, undelayed, _ = _reference(steps, None)
+    assert normwise_error(_state(model), _state(undelayed)) > 1e-3
+
+
+def test_host_adam_runs_while_the_next_step_computes():
+    """Measured from inside: each host Adam call records its thread and its start and end time; the test records
+    when each step's backward starts. The Adam of a delayed step t waits (up to 20 s) for step t + 1's backward to
+    start, so it can only finish if the main thread went on without it. With DPU every update of steps 1-3 ran on
+    another thread and spans the start of the next step's backward (the thread read the gradients copied to the
+    host while that backward rewrote the device ones: parity holds); with DPU off (the negative control) every
+    call ran on the main thread and ended before the next step's forward."""
+    main = threading.main_thread().ident
+    for delayed in (True, False):
+        spans, backward_at, (norms, model) = _timed_run(steps := 4, delayed)
+        assert sorted(spans) == list(range(1, steps + 1))
+        for t in range(1, steps):
+            first, last = min(a for _, a, _ in spans[t]), max(b for _, _, b in spans[t])
+            threads = {i for i, _, _ in spans[t]}
+            if delayed:
+                assert main not in threads and first < backward_at[t + 1] < last, (t, spans[t], backward_at)
+            else:
+                assert threads == {main} and last < backward_at[t + 1], (t, spans[t], backward_at)
+        if delayed:
+            ref_norms, _, master, _ = _reference(steps, 0)
+            assert norms == pytest.approx(ref_norms, rel=1e-5)
+            assert normwise_error(_state(model), _state(master)) < 1e-5
+
+
+def _timed_run(steps: int, delayed: bool):
+    """:func:`_train` with the host Adam calls timed from inside (thread, start, end per call, by step) and each
+    step's backward start recorded; a delayed step's Adam first waits for the next step's backward to start."""
+    from megazero.zero import optimizer as zero_optimizer
+
+    real = zero_optimizer.adam_update
+    spans: dict[int, list[tuple[int, float, float]]] = {}
+    backward_at: dict[int, float] = {}
+    started = threading.Condition()
+
+    def hook(s: int) -> None:
+        with started:
+            backward_at[s] = time.perf_counter()
+            started.notify_all()
+
+    def spy(p, g, lr, lo, hi, **kw):
+        t0, step = time.perf_counter(), kw["step"]
+        if threading.current_thread() is not threading.main_thread():
+            with started:  # the last step's update has no next backward: the flush joins it
+                started.wait_for(lambda: step + 1 in backward_at or step == steps, timeout=20)
+        real(p, g, lr, lo, hi, **kw)
+        spans.setdefault(step, []).append((threading.get_ident(), t0, time.perf_counter()))
+
+    zero_optimizer.adam_update = spy
+    try:
+        norms, model, opt = _train(steps, 0 if delayed else None, hook)
+        opt.flush()
+    finally:
+        zero_optimizer.adam_update = real
+    return spans, backward_at, (norms, model)
+
+
+def test_delayed_update_needs_offload_optimizer(tmp_path):
+    base = ["--zero-stage", "2", "--offload-delayed-update", "--cache-dir", str(tmp_path)]
+    with pytest.raises(ConfigError, match="--offload-delayed-update.*--offload-optimizer"):
+        parse_args(base).resolve(1)
+    with pytest.raises(ConfigError, match="--offload-delayed-update-after must be >= 0"):
+        parse_args([*base, "--offload-optimizer", "--offload-delayed-update-after", "-1"]).resolve(1)
+    cfg = parse_args([*base, "--offload-optimizer", "--offload-delayed-update-after", "3"]).resolve(1)
+    assert cfg.zero.offload_delayed_update and cfg.zero.offload_delayed_update_after == 3
+
+
+DPU = ["--dp", "2", "--micro-batch-size", "4", "--zero-stage", "2", "--offload-optimizer",
+       "--offload-delayed-update", "--train-steps", "6"]
+
+
+def _resume_runs(ctx, cache: str, log_dir: str):
+    """Three runs of 6 delayed-update steps at dp 2 (each with an evaluation, so the eval flush runs): one saving
+    at step 3, one resumed from that checkpoint, and one without the delay."""
+    ckpt = f"{log_dir}/ckpt"
+    eval_flags = ["--eval-interval", "2", "--eval-iters", "1"]
+    whole = train_runs(ctx, [[*DPU, *eval_flags, "--save", ckpt, "--save-interval", "3"]], cache, f"{log_dir}/a")
+    resumed = train_runs(ctx, [[*DPU, *eval_flags, "--load", f"{ckpt}/step_00000003"]], cache, f"{log_dir}/b")
+    plain = train_runs(ctx, [[*DPU[:-3], "--train-steps", "6", *eval_flags]], cache, f"{log_dir}/c")
+    return whole[0], resumed[0], plain[0]
+
+
+def test_checkpoint_mid_run_holds_one_step_and_resumes_exactly(data_cache, tmp_path):
+    """At dp 2 (ZeRO-2, the parameters all-gathered after each landing): a run saving at step 3 flushes there, so a
+    run resumed from that checkpoint trains steps 4-6 exactly like the uninterrupted one (losses and final weights
+    equal); without the flush the checkpoint would hold θ_2's parameters beside θ_3's master, or a master being
+    written. The same run without the delay ends elsewhere (the delay is in force)."""
+    (whole, whole_state), (resumed, resumed_state), (plain, plain_state) = run_world(
+        _resume_runs, 2, data_cache, str(tmp_path))[0]
+    assert len(whole) == 6 and len(resumed) == 3
+    assert resumed == whole[3:]
+    assert all(torch.equal(whole_state[k], resumed_state[k]) for k in whole_state)
+    assert normwise_error(whole_state, plain_state) > 1e-4
+
+
+def test_gpu_bench_offload_delayed_run_and_its_summary_line(subprocess_env, tmp_path):
+    """bench/gpu.py --offload optimizer --offload-delayed-update 1 (bench/gpu_check.sh's offload-dpu step) trains on
+    the CPU: with the same batch every step, step 3's forward sees θ_1 as step 2's did (step 2's update is still
+    on the host thread), so their losses are equal and step 4's differs; the split is the wait for the host Adam,
+    the copies and the rest; bench/gpu_summary.py prints the run as a second offload line."""
+    from bench.gpu_summary import summary
+    from tests.test_bench_gpu import SMOKE, _run
+
+    out = tmp_path / "offload-dpu.json"
+    res = _run("gpu.py", ["--offload", "optimizer", "--offload-delayed-update", "1", *SMOKE, "--warmup", "2"],
+               subprocess_env, out)
+    run, split = res["megazero"], res["megazero"]["offload_split"]
+    losses = run["losses"]
+    assert len(losses) == 4 and losses[1] == losses[2] != losses[3] and losses[0] != losses[1], losses
+    assert set(split) == {"host_adam_wait_s", "copies_and_launch_s", "device_compute_and_rest_s"}
+    assert res["delayed_update_after"] == 1
+    text = summary(str(tmp_path))
+    assert "offload (offload.json): no result" in text
+    assert "offload optimizer delayed update after 1: 2 x 128" in text and "host_adam_wait" in text, text
