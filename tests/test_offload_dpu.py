@@ -10,6 +10,7 @@ negative control.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import time
@@ -30,40 +31,42 @@ OPT = OptimizerConfig(clip_grad=0.05)
 LR = 1e-2
 
 
-def _model() -> GPT:
+def _model(device: str = "cpu") -> GPT:
     model = GPT(ModelConfig(num_layers=2, hidden_size=64, num_heads=4, seq_len=32, vocab_size=512))
     init_parameters(model, 0)
-    return model
+    return model.to(device)
 
 
-def _optimizer(model: GPT, delayed_after: int | None, precision: str = "fp32"):
+def _optimizer(model: GPT, delayed_after: int | None, device: str = "cpu"):
+    """ZeRO-2 with the optimizer offloaded (pinned on CUDA), the delayed update after ``delayed_after`` steps."""
     from megazero.zero import ZeroOptimizer
 
     zero = ZeroConfig(stage=2, offload_optimizer="cpu", offload_delayed_update=delayed_after is not None,
-                      offload_delayed_update_after=delayed_after or 0)
-    return ZeroOptimizer(model, zero, OPT, Group("solo", [0], None), precision=precision)
+                      offload_delayed_update_after=delayed_after or 0, offload_optimizer_pin_memory=device == "cuda")
+    return ZeroOptimizer(model, zero, OPT, Group("solo", [0], None, device=device))
 
 
-def _batches(steps: int) -> list[torch.Tensor]:
+def _batches(steps: int, device: str = "cpu") -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 512, (2, 32), generator=gen) for _ in range(steps)]
+    return [torch.randint(0, 512, (2, 32), generator=gen).to(device) for _ in range(steps)]
 
 
 def _loss(model, x: torch.Tensor) -> torch.Tensor:
     return model(x, x).sum() / x.numel()
 
 
-def _reference(steps: int, delayed_after: int | None) -> tuple[list[float], GPT, GPT, torch.optim.AdamW]:
+def _reference(steps: int, delayed_after: int | None, device: str = "cpu"
+               ) -> tuple[list[float], GPT, GPT, torch.optim.AdamW]:
     """Plain PyTorch: ``torch.optim.AdamW`` (decay on matrices only) and ``clip_grad_norm_`` on a master copy; the
     forward copy is the master after each update, or (delayed steps: step s > delayed_after) the master before
     it, so step s + 1's gradient is taken at θ_{s-1}. Returns the norms, the forward copy, the master, the Adam."""
-    fwd, master = _model(), _model()
+    fwd, master = _model(device), _model(device)
     params = list(master.parameters())
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": OPT.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     adam = torch.optim.AdamW(groups, lr=LR, betas=OPT.betas, eps=OPT.eps, foreach=False)
     norms = []
-    for s, x in enumerate(_batches(steps), start=1):
+    for s, x in enumerate(_batches(steps, device), start=1):
         fwd.zero_grad()
         _loss(fwd, x).backward()
         before = copy.deepcopy(master.state_dict())
@@ -80,14 +83,15 @@ def _state(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone().float() for n, p in model.named_parameters()}
 
 
-def _train(steps: int, delayed_after: int | None, hook=None):
-    """megazero's ZeRO-2 with the optimizer offloaded to emulated host memory, ``steps`` steps; ``hook(s)`` runs
-    just before step s's backward. Returns norms, model, optimizer, unflushed."""
-    with device_io.use(device_io.EmulatedHost("cpu")):
-        model = _model()
-        opt = _optimizer(model, delayed_after)
+def _train(steps: int, delayed_after: int | None, hook=None, device: str = "cpu"):
+    """megazero's ZeRO-2 with the optimizer offloaded to (on the CPU: emulated) host memory, ``steps`` steps;
+    ``hook(s)`` runs just before step s's backward. Returns norms, model, optimizer, unflushed."""
+    host = device_io.use(device_io.EmulatedHost("cpu")) if device == "cpu" else contextlib.nullcontext()
+    with host:
+        model = _model(device)
+        opt = _optimizer(model, delayed_after, device)
         norms = []
-        for s, x in enumerate(_batches(steps), start=1):
+        for s, x in enumerate(_batches(steps, device), start=1):
             opt.zero_grad()
             loss = _loss(model, x)
             if hook is not None:
@@ -244,3 +248,36 @@ def test_gpu_bench_offload_delayed_run_and_its_summary_line(subprocess_env, tmp_
     text = summary(str(tmp_path))
     assert "offload (offload.json): no result" in text
     assert "offload optimizer delayed update after 1: 2 x 128" in text and "host_adam_wait" in text, text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_pinned_delayed_update_matches_the_late_reference(monkeypatch):
+    """On a GPU, pinned (the gradients' copy on the side stream, the thread waiting on its event and on the
+    copy-back's; the compute stream waiting for the gradients before the next backward), fp32 with TF32 off,
+    sub-groups of 3000 elements, each host Adam held back 50 ms so the device's next step runs meanwhile: the same
+    parity with the late-applying plain reference, run on the GPU too. A read before a copy completed (or a
+    backward overwriting gradients still in flight) would show as a difference (the CPU race was 10% in norms)."""
+    from megazero.zero import offload
+    from megazero.zero import optimizer as zero_optimizer
+
+    monkeypatch.setattr(offload, "SUB_GROUP", 3000)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    real = zero_optimizer.adam_update
+
+    def held_back(p, g, lr, lo, hi, **kw):
+        if lo == 0 and threading.current_thread() is not threading.main_thread():
+            time.sleep(0.05)
+        return real(p, g, lr, lo, hi, **kw)
+
+    monkeypatch.setattr(zero_optimizer, "adam_update", held_back)
+    steps = 5
+    norms, model, opt = _train(steps, 0, device="cuda")
+    assert opt.host.pin and opt.host.pending and opt.master.is_pinned() and opt.owned_numel // 3000 > 40
+    opt.flush()
+    torch.cuda.synchronize()
+    ref_norms, _, master, _ = _reference(steps, 0, device="cuda")
+    assert norms == pytest.approx(ref_norms, rel=1e-5)
+    err = normwise_error(_state(model), _state(master))
+    assert err < 1e-5, err
