@@ -191,6 +191,31 @@ def _timed_run(steps: int, delayed: bool):
     return spans, backward_at, (norms, model)
 
 
+def test_a_skipped_fp16_step_lands_the_pending_update_and_launches_none():
+    """fp16 loss scaling with the delay: step 3's loss is made infinite, so its norm is not finite before anything
+    is launched; the step is skipped on the host's read, launches no update (the step count stays at 2), and the
+    pending update of step 2 lands (the device parameters are the master rounded to fp16); training goes on."""
+    from megazero.zero import ZeroOptimizer
+
+    with device_io.use(device_io.EmulatedHost("cpu")):
+        model = _model()
+        zero = ZeroConfig(stage=2, offload_optimizer="cpu", offload_delayed_update=True)
+        opt = ZeroOptimizer(model, zero, OPT, Group("solo", [0], None), precision="fp16")
+        for s, x in enumerate(_batches(5), start=1):
+            opt.zero_grad()
+            loss = _loss(model, x)
+            opt.backward(loss * float("inf") if s == 3 else loss)
+            stats = opt.step(LR)
+            assert stats.skipped == (s == 3) and opt.host.pending == (s != 3), s
+            if s == 3:
+                assert opt.step_count == 2
+                for p, offset, views in opt.state.owned():
+                    flat = p.detach().reshape(-1)[offset: offset + views["master"].numel()]
+                    assert torch.equal(flat, views["master"].to(p.dtype))
+        opt.flush()
+    assert opt.step_count == 4 and all(torch.isfinite(p).all() for p in model.parameters())
+
+
 def test_delayed_update_needs_offload_optimizer(tmp_path):
     base = ["--zero-stage", "2", "--offload-delayed-update", "--cache-dir", str(tmp_path)]
     with pytest.raises(ConfigError, match="--offload-delayed-update.*--offload-optimizer"):
