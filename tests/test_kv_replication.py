@@ -28,7 +28,7 @@ from megazero.model import GPT, init_parameters
 from megazero.model.gpt import initial_value
 from megazero.plan.estimate import rank_parameter_numels
 from megazero.tensor_parallel.layers import unshard_tensor
-from megazero.zero.optimizer import grad_norm_weights
+from megazero.zero.norm import grad_norm_weights
 from tests.common import SMALL_FLAGS, assert_matches_reference, merge_runs
 from tests.dist import run_world
 from tests.reference import LLAMA as SPEC

@@ -20,7 +20,7 @@ from megazero.distributed.group import Group
 from megazero.model.gpt import GPT, full_state_dict, init_parameters
 from megazero.zero import ZeroOptimizer, grad_norm_weights
 from megazero.zero.bucketed import storage_bytes
-from megazero.zero.optimizer import NonFiniteGradientError
+from megazero.zero.norm import NonFiniteGradientError
 from megazero.zero.stage3.params import GatherOrderError
 from tests import launch
 from tests.dist import run_world

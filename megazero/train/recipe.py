@@ -38,7 +38,8 @@ from megazero.model.gpt import GPT, parameter_initializer
 from megazero.pipeline.p2p import PipelineP2P
 from megazero.pipeline.partition import StageSpec, stage_specs
 from megazero.tensor_parallel.random import RNGTracker
-from megazero.zero.optimizer import ZeroOptimizer, grad_norm_weights
+from megazero.zero.norm import grad_norm_weights
+from megazero.zero.optimizer import ZeroOptimizer
 
 __all__ = ["Parts", "apply_compile", "build", "build_on_meta", "materialiser", "pipeline_p2p",
            "split_for_pp", "wrap_for_zero"]

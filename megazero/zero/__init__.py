@@ -2,7 +2,8 @@
 
 from megazero.zero.bucketed import FlatLayout, ShardedState, build_buckets, sharded_state
 from megazero.zero.loss_scaler import DynamicLossScaler, LossScaleError, StaticLossScaler, make_loss_scaler
-from megazero.zero.optimizer import StepStats, ZeroOptimizer, grad_norm_weights
+from megazero.zero.norm import StepStats, grad_norm_weights
+from megazero.zero.optimizer import ZeroOptimizer
 
 __all__ = [
     "DynamicLossScaler",

@@ -42,21 +42,14 @@ that reduce them (:mod:`.store`), the fp32 master and Adam moments and their che
 ZeRO-Offload's host side (:mod:`.offload`) and the memory accounting (:mod:`.accounting`).
 
 fp16 scales the loss (:mod:`.loss_scaler`): an overflow anywhere, agreed over the DP and model-parallel groups
-through the gradient norm, skips the step and leaves the master weights untouched.
-
-Clipping uses the global norm of the unpartitioned gradient: squares are summed over this rank's partition,
-then over ``dp_group`` (stages 1-3; stage 0 holds the full reduced gradient) and over ``norm_group`` (the
-model-parallel group), counting TP-replicated parameters once (``norm_counted``). The coefficient is
-``torch.nn.utils.clip_grad_norm_``'s: ``min(1, clip / (norm + 1e-6))``. The Adam/AdamW update is torch's fused
-kernel (``torch.optim.AdamW(fused=True)``'s arithmetic) over the flat partition; weight decay applies to
-parameters with ``ndim >= 2``.
+through the gradient norm, skips the step and leaves the master weights untouched. Clipping by the global norm of
+the unpartitioned gradient, and which parameters each rank counts in it: :mod:`.norm`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -71,48 +64,15 @@ from megazero.tensor_parallel.finalize import all_reduce_coalesced, sequence_par
 from megazero.zero import accounting
 from megazero.zero.adam import ADAM_CHUNK, adam_update
 from megazero.zero.bucketed import BucketedParams, sharded_state
-from megazero.zero.flat import OwnedSegment
 from megazero.zero.grads import OwnedGrads, grad_dtype_for
 from megazero.zero.loss_scaler import make_loss_scaler
+from megazero.zero.norm import NonFiniteGradientError, StepStats
 from megazero.zero.offload import HostOffload
 from megazero.zero.stage3.split import input_backward
 from megazero.zero.state import OwnedRun, OwnedState
-from megazero.zero.store import build_store, claim, gathered, walk
+from megazero.zero.store import build_store, claim, gathered, local_tied_pairs, walk
 
-__all__ = ["NonFiniteGradientError", "StepStats", "ZeroOptimizer", "grad_norm_weights"]
-
-
-class NonFiniteGradientError(FloatingPointError):
-    """Too many consecutive steps had a non-finite gradient norm (see :meth:`ZeroOptimizer.check_skipped_steps`)."""
-
-
-@dataclass
-class StepStats:
-    """What one optimizer step did: the (unscaled, pre-clipping) global gradient norm (``inf`` when an fp16
-    step overflowed), whether the step was skipped, and the fp16 loss scale for the next step (None otherwise)."""
-
-    grad_norm: float
-    skipped: bool = False
-    loss_scale: float | None = None
-
-
-def grad_norm_weights(model: nn.Module, tp_rank: int) -> dict[nn.Parameter, bool | int]:
-    """Which parameters (or leading elements of them) this rank counts in the global gradient norm.
-
-    TP-sharded parameters count on every TP rank (each holds a different slice); parameters replicated across
-    TP (LayerNorms, row-parallel biases, position embeddings) count on TP rank 0 only; K/V rows shared by
-    several TP ranks (tp > KV heads) count on the first of them, the others counting their shard's leading
-    elements only (an int). A summed all-reduce of the squares over the model-parallel group then gives exactly
-    the unsharded model's norm.
-    """
-    def counted(p: nn.Parameter) -> bool | int:
-        spec = p.shard_spec
-        if spec.partition_dim is None:
-            return tp_rank == 0
-        n = spec.unique_numel(tuple(p.shape), tp_rank)
-        return True if n == p.numel() else n
-
-    return {p: counted(p) for p in model.parameters()}
+__all__ = ["ZeroOptimizer"]
 
 
 class ZeroOptimizer:
@@ -178,7 +138,7 @@ class ZeroOptimizer:
         # Both copies on this rank (zbv: the first and the last stage on pipeline rank 0) and no group: the two
         # copies' segments pair up in order (each copy is partitioned alone, alike) and are summed here, so the
         # pipeline's embedding group is not used (the second copy is left out of the norm by norm_counted).
-        self.tied_pairs = _local_tied_pairs(self._tied_segments, tied_params) if tied_group is None else []
+        self.tied_pairs = local_tied_pairs(self._tied_segments, tied_params) if tied_group is None else []
         self._comm_device = dp_group.device  # where the norm collectives run (the device even under offload)
         self._grads: OwnedGrads | None = None  # this step's owned gradients, prepare_step -> finish_step
         self.offload = zero_cfg.offload_optimizer == "cpu"
@@ -527,16 +487,3 @@ class ZeroOptimizer:
             self.state.write_params()
         self.store.after_step()
 
-
-def _local_tied_pairs(segments: Sequence[OwnedSegment], tied: Sequence[nn.Parameter]
-                      ) -> list[tuple[OwnedSegment, OwnedSegment]]:
-    """The owned segments of two tied copies held by one rank, paired element for element (empty unless
-    ``tied`` holds two parameters)."""
-    if len(tied) != 2:
-        return []
-    first, second = ([s for s in segments if any(p is t for p, _, _ in s.pieces)] for t in tied)
-    pairs = list(zip(first, second))
-    if len(first) != len(second) or any([pc[1:] for pc in a.pieces] != [pc[1:] for pc in b.pieces]
-                                         for a, b in pairs):
-        raise ValueError("the two tied embedding copies on this rank are not partitioned alike")
-    return pairs

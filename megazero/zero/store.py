@@ -21,10 +21,11 @@ from megazero.config.schema import ZeroConfig
 from megazero.distributed import device_io
 from megazero.distributed.group import Group
 from megazero.zero.bucketed import BucketedParams, sharded_state
+from megazero.zero.flat import OwnedSegment
 from megazero.zero.qgz import QuantizedReduce
 from megazero.zero.stage3.params import Stage3Params
 
-__all__ = ["build_store", "claim", "gathered", "walk"]
+__all__ = ["build_store", "claim", "gathered", "local_tied_pairs", "walk"]
 
 
 def claim(params: Sequence[nn.Parameter]) -> None:
@@ -107,3 +108,17 @@ def walk(store: BucketedParams | Stage3Params, params: Sequence[nn.Parameter] | 
         return
     wanted = None if params is None else {id(p) for p in params}
     yield [p for p in reversed(store.params) if wanted is None or id(p) in wanted]
+
+
+def local_tied_pairs(segments: Sequence[OwnedSegment], tied: Sequence[nn.Parameter]
+                     ) -> list[tuple[OwnedSegment, OwnedSegment]]:
+    """The owned segments of two tied copies held by one rank, paired element for element (empty unless
+    ``tied`` holds two parameters)."""
+    if len(tied) != 2:
+        return []
+    first, second = ([s for s in segments if any(p is t for p, _, _ in s.pieces)] for t in tied)
+    pairs = list(zip(first, second))
+    if len(first) != len(second) or any([pc[1:] for pc in a.pieces] != [pc[1:] for pc in b.pieces]
+                                         for a, b in pairs):
+        raise ValueError("the two tied embedding copies on this rank are not partitioned alike")
+    return pairs
