@@ -78,6 +78,7 @@ from megazero.tensor_parallel import (
 from megazero.tensor_parallel.layers import replicated_parameter, tp_size_rank, unshard_tensor
 from megazero.tensor_parallel.random import RNGTracker
 from megazero.tensor_parallel.recompute import CheckpointOptions, CheckpointStats, checkpoint
+from megazero.tensor_parallel.weight_grad import TiedGrad
 
 __all__ = ["FAMILIES", "GPT", "Block", "CausalSelfAttention", "Dropout", "Family", "MLP", "full_state_dict",
            "init_parameters", "initial_value", "parameter_initializer"]
@@ -361,13 +362,14 @@ class GPT(nn.Module):
     def padded_vocab_size(self) -> int:
         return (self.wte if self.pre_process else self.output_layer).padded_vocab_size
 
-    def embed(self, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+    def embed(self, ids: torch.Tensor, start: int = 0, tied: TiedGrad | None = None) -> torch.Tensor:
         """Token (+ learned position) embeddings of positions [start, start + S): [B, S] -> [B, S, H]; under CP
-        ``ids`` are this rank's two chunks of a sequence of S x cp tokens, at their true positions."""
+        ``ids`` are this rank's two chunks of a sequence of S x cp tokens, at their true positions. ``tied``:
+        the pass's meeting point with the LM head's gradient of the same table (:meth:`forward`)."""
         end = start + ids.shape[1] * self.cp_size
         if end > self.cfg.seq_len:
             raise ValueError(f"sequence of {end} tokens exceeds --seq-len {self.cfg.seq_len}")
-        tokens = self.wte(ids)  # [B, S, H], or this rank's chunk [B, S/tp, H] with SP
+        tokens = self.wte(ids, tied)  # [B, S, H], or this rank's chunk [B, S/tp, H] with SP
         if not hasattr(self, "wpe"):  # rotary positions are applied inside attention
             return self.drop(tokens)
         if self.cp_size > 1:  # [S/cp] true positions, this TP rank's run of them under SP
@@ -384,8 +386,11 @@ class GPT(nn.Module):
                 cache: KVCache | None = None) -> torch.Tensor:
         if cache is not None:
             return self._decode(x, cache)
+        # both uses of a tied table in this pass: backward makes its gradient once (TiedGrad), not three times
+        tied = TiedGrad() if (self.pre_process and self.post_process and self.cfg.tied
+                              and torch.is_grad_enabled()) else None
         if self.pre_process:
-            x = self.embed(x)  # [B, S, H]
+            x = self.embed(x, tied=tied)  # [B, S, H]
         for block in self.blocks.values():
             if self.checkpointing == "full":  # keep only the block input (1/tp of it when partitioned)
                 x = checkpoint(block, x, options=self.recompute, partition=(self.partition_block_input,))
@@ -395,8 +400,8 @@ class GPT(nn.Module):
             return x  # hidden states for the next stage
         head = self.output_layer
         if targets is None:
-            return head.logits(self.ln_f(x))  # [B, S, V/tp], padded entries at -inf
-        logits = head.logits(self.ln_f(x), mask_padding=False)  # the loss skips the padded columns itself
+            return head.logits(self.ln_f(x), tied=tied)  # [B, S, V/tp], padded entries at -inf
+        logits = head.logits(self.ln_f(x), mask_padding=False, tied=tied)  # the loss skips the padded columns
         # the logits are ours alone: the loss may overwrite them with their gradient in backward. A dry run
         # emulating a GPU allocates what the GPU's Triton kernels do (torch's CUDA wheels ship triton)
         backend = "triton" if logits.is_meta and emulated() == "cuda" else "auto"

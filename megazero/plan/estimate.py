@@ -331,10 +331,11 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
       where one call receives for several later actions (interleaved's units, zbv's ticks), the other
       received tensors waiting in the inbox (:func:`megazero.pipeline.p2p.received_waiting`; an upper bound:
       their most, whenever it comes);
-    * once activations are freed (stages 0-2): the states, the buffers above and three model-dtype tensors the
+    * once activations are freed (stages 0-2): the states, the buffers above and one model-dtype tensor the
       size of the largest parameter. On a GPT that is the tied embedding at the end of backward: the LM head's
-      weight gradient (``mm``), the lookup's (``embedding_dense_backward``) and autograd's out-of-place sum of
-      the two (``add``), before it is accumulated.
+      weight gradient, into which the lookup adds its rows in place before it is accumulated
+      (:class:`~megazero.tensor_parallel.weight_grad.TiedGrad`; autograd alone would hold three: the head's, the
+      lookup's and their out-of-place sum).
 
     An upper bound where the peak of a phase does not coincide with the others' (the staging buckets fill as
     activations are freed).
@@ -346,8 +347,8 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
     by autograd until the embedding's backward adds to it; the chunk's own units are released by then, and
     the activations of the blocks already done are freed); at each block's reduction (the block released, its
     staging and, where the reduction dtype is wider than the model's, one converted chunk of the model
-    dtype's bytes, its owned part allocated); and at the embedding's backward (the embedding's
-    and the head's gradients and their sum, or one of them and the own units' staging). With one micro-batch
+    dtype's bytes, its owned part allocated); and at the embedding's backward (the table's one gradient, the
+    head's with the lookup's rows added in place, and the own units' staging). With one micro-batch
     per step the owned gradient partition fills unit by unit as backward reduces it (:attr:`PeakEstimate.
     released` says what is not yet there, and the activations freed); with several it is whole from the
     second on. ``released`` is that difference from the sum of the other fields.
@@ -399,7 +400,7 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
         waiting = _most_received_waiting(schedule, pp_size, pp_rank, micro_batches, v)
         transient += e * s * micro_batch * h / sp * max(0, waiting - 1)
     if stage != 3:
-        return PeakEstimate(states, act, comm, transient, 3 * e * max(sizes))
+        return PeakEstimate(states, act, comm, transient, e * max(sizes))
     blocks_act = activation_bytes(model, micro_batch, **common, layers=n_layers, first_stage=False,
                                   last_stage=False)
     if v > 1:  # several chunks (interleaved, zbv): blocks by their (global) layer, later chunks' others apart
@@ -445,6 +446,6 @@ def _stage3_backward(numel: dict[str, int], threshold: int, e: int, eg: int, dp_
         added = e * prefetched + (es + chunk) * block + held - e * largest
         moments.append((added, missing(i + 1) + done))
     if first and wte:
-        added = max(3 * e * wte if last else e * wte, e * wte + (es + chunk) * root) - e * largest
+        added = e * wte + (es + chunk) * root - e * largest  # one table gradient (TiedGrad), tied or not
         moments.append((added, missing(n_blocks) + blocks_act))
     return max(moments, key=lambda m: m[0] - m[1])

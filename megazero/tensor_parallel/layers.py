@@ -29,7 +29,7 @@ from megazero.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     sum_shared_rows_grad,
 )
-from megazero.tensor_parallel.weight_grad import deferring_store, has_store
+from megazero.tensor_parallel.weight_grad import TiedGrad, deferring_store, has_store
 
 __all__ = [
     "ColumnParallelLinear",
@@ -159,12 +159,13 @@ class _ColumnLinear(torch.autograd.Function):
     runs beside the weight-gradient GEMM; on gloo the order is the same (tests/test_tp_overlap.py checks it).
 
     In a zero-bubble B pass (:mod:`.weight_grad`) the weight and bias gradients are deferred to W instead, with
-    the SP all-gather of ``x`` they need; B keeps the input gradient and its collective.
+    the SP all-gather of ``x`` they need; B keeps the input gradient and its collective. With ``tied`` (the LM
+    head of a tied embedding, :class:`~.weight_grad.TiedGrad`) the weight gradient is filed there, not returned.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel):
-        ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
+    def forward(ctx, x, weight, bias, group, sequence_parallel, tied=None):
+        ctx.group, ctx.sequence_parallel, ctx.has_bias, ctx.tied = group, sequence_parallel, bias is not None, tied
         ctx.params = (weight, bias)
         ctx.save_for_backward(x, weight)
         return F.linear(gather_sequence(x, group) if sequence_parallel else x, weight, bias)
@@ -185,9 +186,17 @@ class _ColumnLinear(torch.autograd.Function):
             group, sp = ctx.group, ctx.sequence_parallel
             store.defer(ctx.params, lambda: _linear_weight_grads(
                 grad_out, gather_sequence(x, group) if sp else x, *needs))
-            return pending.wait(), None, None, None, None
+            return pending.wait(), None, None, None, None, None
         grad_w, grad_b = _linear_weight_grads(grad_out, x, *needs)  # while the collective runs
-        return pending.wait(), grad_w, grad_b, None, None
+        return pending.wait(), _file_tied(ctx.tied, grad_w), grad_b, None, None, None
+
+
+def _file_tied(tied: TiedGrad | None, grad_w: torch.Tensor | None) -> torch.Tensor | None:
+    """``grad_w``, or None once filed with ``tied`` (the lookup's backward returns the sum)."""
+    if tied is None or grad_w is None:
+        return grad_w
+    tied.put(grad_w)
+    return None
 
 
 def _linear_weight_grads(grad_out: torch.Tensor, x: torch.Tensor, weight: bool, bias: bool
@@ -199,12 +208,13 @@ def _linear_weight_grads(grad_out: torch.Tensor, x: torch.Tensor, weight: bool, 
 
 
 class _Linear(torch.autograd.Function):
-    """``F.linear`` whose weight (and bias) gradient a zero-bubble B pass defers to W (:mod:`.weight_grad`);
-    used instead of ``F.linear`` only on ranks that run a split backward."""
+    """``F.linear`` whose weight (and bias) gradient a zero-bubble B pass defers to W (:mod:`.weight_grad`), or
+    which files it with ``tied`` (:class:`~.weight_grad.TiedGrad`); used instead of ``F.linear`` only on ranks
+    that run a split backward and for a tied LM head."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.params, ctx.has_bias = (weight, bias), bias is not None
+    def forward(ctx, x, weight, bias, tied=None):
+        ctx.params, ctx.has_bias, ctx.tied = (weight, bias), bias is not None, tied
         ctx.save_for_backward(x, weight)
         return F.linear(x, weight, bias)
 
@@ -216,16 +226,19 @@ class _Linear(torch.autograd.Function):
         store = deferring_store(ctx.params[0])
         if store is not None:
             store.defer(ctx.params, lambda: _linear_weight_grads(grad_out, x, *needs))
-            return grad_in, None, None
-        return grad_in, *_linear_weight_grads(grad_out, x, *needs)
+            return grad_in, None, None, None
+        grad_w, grad_b = _linear_weight_grads(grad_out, x, *needs)
+        return grad_in, _file_tied(ctx.tied, grad_w), grad_b, None
 
 
 class _Embedding(torch.autograd.Function):
-    """``F.embedding`` whose table gradient a zero-bubble B pass defers to W (only the ids are kept for it)."""
+    """``F.embedding`` whose table gradient a zero-bubble B pass defers to W (only the ids are kept for it).
+    With ``tied`` holding the LM head's gradient of the same table (:class:`~.weight_grad.TiedGrad`), the looked-up
+    rows' gradients are added into that tensor in place, which becomes the table's gradient."""
 
     @staticmethod
-    def forward(ctx, ids, weight):
-        ctx.params, ctx.num_weights = (weight,), weight.shape[0]
+    def forward(ctx, ids, weight, tied=None):
+        ctx.params, ctx.num_weights, ctx.tied = (weight,), weight.shape[0], tied
         ctx.save_for_backward(ids)
         return F.embedding(ids, weight)
 
@@ -240,27 +253,38 @@ class _Embedding(torch.autograd.Function):
         store = deferring_store(ctx.params[0])
         if store is not None:
             store.defer(ctx.params, grads)
-            return None, None
-        return None, grads()[0]
+            return None, None, None
+        table = ctx.tied.take() if ctx.tied is not None else None
+        if not ctx.needs_input_grad[1]:
+            return None, None, None
+        if table is None:
+            return None, grads()[0], None
+        rows = grad_out.reshape(-1, grad_out.shape[-1])  # [B*S, H] into [V, H]: no second table, no sum
+        return None, table.index_put_((ids.reshape(-1),), rows, accumulate=True), None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, through :class:`_Linear` where the weight belongs to a split-backward rank."""
-    return _Linear.apply(x, weight, bias) if has_store(weight) else F.linear(x, weight, bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           tied: TiedGrad | None = None) -> torch.Tensor:
+    """``F.linear``, through :class:`_Linear` where the weight belongs to a split-backward rank or is ``tied``."""
+    if has_store(weight) or tied is not None:
+        return _Linear.apply(x, weight, bias, tied)
+    return F.linear(x, weight, bias)
 
 
-def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.embedding``, through :class:`_Embedding` where the table belongs to a split-backward rank."""
-    return _Embedding.apply(ids, weight) if has_store(weight) else F.embedding(ids, weight)
+def embedding(ids: torch.Tensor, weight: torch.Tensor, tied: TiedGrad | None = None) -> torch.Tensor:
+    """``F.embedding``, through :class:`_Embedding` where the table belongs to a split-backward rank or is
+    ``tied``."""
+    return _Embedding.apply(ids, weight, tied) if has_store(weight) or tied is not None else F.embedding(ids, weight)
 
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group | None,
-                           sequence_parallel: bool = False) -> torch.Tensor:
+                           sequence_parallel: bool = False, tied: TiedGrad | None = None) -> torch.Tensor:
     """The linear of a column-parallel layer: [B, S, in] (a sequence shard [B, S/tp, in] under
-    ``sequence_parallel``) -> [B, S, out/tp], with the TP collective of :class:`_ColumnLinear`."""
+    ``sequence_parallel``) -> [B, S, out/tp], with the TP collective of :class:`_ColumnLinear`; ``tied``: the
+    weight gradient goes there (:class:`~.weight_grad.TiedGrad`)."""
     if group is None or group.size == 1:
-        return linear(x, weight, bias)
-    return _column_linear(x, weight, bias, group, sequence_parallel)
+        return linear(x, weight, bias, tied)
+    return _column_linear(x, weight, bias, group, sequence_parallel, tied)
 
 
 def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -271,9 +295,9 @@ def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.
 
 @torch.compiler.disable
 def _column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group,
-                   sequence_parallel: bool) -> torch.Tensor:
+                   sequence_parallel: bool, tied: TiedGrad | None = None) -> torch.Tensor:
     """Eager under torch.compile: the collectives inside are not traced (see ``mappings._apply``)."""
-    return _ColumnLinear.apply(x, weight, bias, group, sequence_parallel)
+    return _ColumnLinear.apply(x, weight, bias, group, sequence_parallel, tied)
 
 
 def _param(shape: tuple[int, ...], spec: ShardSpec) -> nn.Parameter:
@@ -381,6 +405,8 @@ class VocabParallelEmbedding(nn.Module):
     weight serves as the tied LM head through :meth:`logits` (an untied output layer is a second instance used
     through :meth:`logits` only), which returns this rank's vocabulary slice of the logits (padded entries at ``-inf`` so they never reach a softmax, unless ``mask_padding=False``: the loss then skips them itself). With ``sequence_parallel``
     the lookup's partial sums are reduce-scattered along the sequence and the LM head's input is all-gathered.
+    A forward pass that runs both uses (the tied GPT-2 on one chunk) passes one :class:`~.weight_grad.TiedGrad` to
+    both as ``tied``, so backward makes the table's gradient once.
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, tp_group: Group | None, *, std: float = 0.02,
@@ -397,12 +423,12 @@ class VocabParallelEmbedding(nn.Module):
                              ShardSpec((vocab_size, hidden_size), "normal", std, partition_dim=0,
                                        padded_dim_size=self.padded_vocab_size))
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, tied: TiedGrad | None = None) -> torch.Tensor:
         if self.tp_group is None or self.tp_group.size == 1:
-            return embedding(ids, self.weight)
+            return embedding(ids, self.weight, tied)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.local_vocab)
-        out = embedding(local.masked_fill(outside, 0), self.weight)
+        out = embedding(local.masked_fill(outside, 0), self.weight, tied)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # this rank's rows only: a partial sum
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(out, self.tp_group)  # [B, S/tp, H]
@@ -413,12 +439,12 @@ class VocabParallelEmbedding(nn.Module):
         """How many of this rank's ``local_vocab`` columns are real words (the rest is padding)."""
         return min(max(self.vocab_size - self.vocab_start, 0), self.local_vocab)
 
-    def logits(self, x: torch.Tensor, mask_padding: bool = True) -> torch.Tensor:
+    def logits(self, x: torch.Tensor, mask_padding: bool = True, tied: TiedGrad | None = None) -> torch.Tensor:
         """This rank's vocabulary slice of ``x @ E^T``, padded entries at ``-inf`` unless ``mask_padding`` is
         False: the loss is told the real vocabulary instead and never reads them, which saves a pass over the
         logits (their values there are ``x @ 0``, finite)."""
         # [B, S, H] (SP: [B, S/tp, H] -> all-gather) -> [B, S, V/tp]
-        logits = column_parallel_linear(x, self.weight, None, self.tp_group, self.sequence_parallel)
+        logits = column_parallel_linear(x, self.weight, None, self.tp_group, self.sequence_parallel, tied)
         n_real = self.local_real_vocab
         if mask_padding and n_real < self.local_vocab:
             mask = torch.arange(self.local_vocab, device=logits.device) >= n_real

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge
 
-__all__ = ["WeightGradStore", "WeightWork", "backward_inside", "deferring_store", "input_gradients",
+__all__ = ["TiedGrad", "WeightGradStore", "WeightWork", "backward_inside", "deferring_store", "input_gradients",
            "weight_gradients"]
 
 # a deferred piece of W: the parameters it produces gradients for, and the closure computing them (None entries
@@ -99,6 +99,39 @@ class WeightGradStore:
     def keep(self, params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
         assert self._work is not None, "keep() outside a B pass"
         self._work.kept += [(p, g) for p, g in zip(params, grads) if g is not None]
+
+
+class TiedGrad:
+    """Where one forward pass's two uses of a tied table (GPT-2's token embedding, also the LM head's weight)
+    meet in backward, so that the table's gradient exists once.
+
+    Left to autograd, the head's backward makes its [V, H] weight gradient, autograd holds it until the lookup's
+    backward has made a second [V, H] one, then adds the two out of place (torch 2.13 makes a new tensor even
+    without grad mode) before AccumulateGrad hands the sum to ZeRO's hook: three tables alive at once, the peak
+    of a small-batch step (Megatron-LM's gradient-accumulation fusion avoids the same). Instead the head's
+    Function files its weight gradient here (:meth:`put`) and returns none for the weight; the lookup's Function
+    adds its rows into that tensor in place (:meth:`take`, ``index_put_(accumulate=True)``: deterministic, and
+    no [V, H] zeros) and returns it as the table's only gradient, which AccumulateGrad takes as ``.grad`` without a
+    copy (nothing else references it) and the stores' hooks file as before.
+
+    Made per forward pass (``GPT.forward``, only where one chunk runs both uses), so a backward that stops before
+    the lookup leaves nothing behind for the next pass. A zero-bubble B pass defers both uses to W instead
+    (their Functions check the store first), which is unchanged.
+    """
+
+    __slots__ = ("grad",)
+
+    def __init__(self) -> None:
+        self.grad: torch.Tensor | None = None
+
+    def put(self, grad: torch.Tensor) -> None:
+        """File a use's weight gradient (a second one is added in place)."""
+        self.grad = grad if self.grad is None else self.grad.add_(grad)
+
+    def take(self) -> torch.Tensor | None:
+        """The filed gradient, handed over: this object keeps no reference (so autograd can steal it)."""
+        grad, self.grad = self.grad, None
+        return grad
 
 
 def deferring_store(param: torch.Tensor | None) -> WeightGradStore | None:
