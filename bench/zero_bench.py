@@ -11,7 +11,9 @@ only, identical everywhere), gradient clipping at the same global norm, in fp32,
 * ``mz0`` .. ``mz3``: :class:`megazero.zero.ZeroOptimizer` at that stage with its default settings (the
   defaults of DeepSpeed's ``zero_optimization`` block); ``mz3-p0`` is stage 3 with
   ``stage3_param_persistence_threshold`` 0, i.e. every parameter sharded, as FSDP2 does; ``mz3-nopark`` (not
-  run by default) is stage 3 with the parking of its chunk's own units turned off, for an A/B in one run.
+  run by default) is stage 3 with the parking of its chunk's own units turned off, ``mz3-whole`` with a chunk's
+  own parameters in one unit however large (``units.collect_units(apart_larger=False)``), ``mz3-before`` with
+  neither change (as before issue 31 item 3), for A/Bs in one run.
   ``engine0`` .. ``engine3`` (not run by default) go through :class:`megazero.train.engine.Engine` instead, the
   production step (token count and loss all-reduces, activation accounting).
 * ``ddp``: ``DistributedDataParallel`` + ``torch.optim.AdamW`` + ``clip_grad_norm_``.
@@ -46,6 +48,7 @@ keeps every measurement and ``--from-json FILE`` prints its table again.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import math
 import os
@@ -83,6 +86,7 @@ class Contender:
     zero: dict = field(default_factory=dict)
     needs: str | None = None  # importable module this contender needs
     parking: bool = True  # megazero stage 3: a chunk's own units parked from forward to backward (A/B: False)
+    apart_larger: bool = True  # megazero stage 3: own parameters larger than a block in units of their own
 
 
 CONTENDERS = {c.name: c for c in [
@@ -95,6 +99,8 @@ CONTENDERS = {c.name: c for c in [
     *[Contender(f"mz{s}", f"megazero ZeRO-{s}", "megazero", s) for s in range(4)],
     Contender("mz3-p0", "megazero ZeRO-3, persistence 0", "megazero", 3, {"stage3_param_persistence_threshold": 0}),
     Contender("mz3-nopark", "megazero ZeRO-3, no parking", "megazero", 3, parking=False),
+    Contender("mz3-whole", "megazero ZeRO-3, own parameters in one unit", "megazero", 3, apart_larger=False),
+    Contender("mz3-before", "megazero ZeRO-3, neither", "megazero", 3, parking=False, apart_larger=False),
     *[Contender(f"engine{s}", f"megazero Engine ZeRO-{s}", "engine", s) for s in range(4)],
 ]}
 DEFAULT_CONTENDERS = ["ddp", "torch-zero1", "fsdp2", "ds1", "ds2", "ds3", "ds3-p0", "mz0", "mz1", "mz2", "mz3",
@@ -256,6 +262,10 @@ def _setup_megazero(ctx, c: Contender, cfg: ModelConfig, opt_cfg: OptimizerConfi
     from megazero.zero import ZeroOptimizer
 
     model = _model(cfg)
+    if not c.apart_larger:  # the A/B of megazero/zero/stage3/units.py's own units larger than a block (this rank)
+        import megazero.zero.stage3.params as stage3_params
+
+        stage3_params.collect_units = functools.partial(stage3_params.collect_units, apart_larger=False)
     opt = ZeroOptimizer(model, ZeroConfig(stage=c.stage, **c.zero), opt_cfg, ctx.dp_group, precision=precision)
     if not c.parking:  # the A/B of stage 3's parking (megazero/zero/stage3/slots.py): its own units' memory freed
         opt.store.slots.parking = False

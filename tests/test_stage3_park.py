@@ -1,9 +1,11 @@
-"""ZeRO-3 parks a chunk's own units between a forward and its backward (megazero/zero/stage3/slots.py, "Parking").
+"""ZeRO-3's chunk's own units: parked between a forward and its backward (megazero/zero/stage3/slots.py,
+"Parking"), and a parameter larger than a block in a unit of its own (megazero/zero/stage3/units.py).
 
-One 2-rank world, a tied 2-layer GPT with every parameter sharded (persistence 0, so the embeddings form the
-chunk's own unit), fp32. Measured on the storages themselves: the backward gathers the own unit into the very
-memory its forward released (one allocation per step, not two), which is held aside meanwhile and freed by the
-backward's release; and the step's tracked peak is the same with parking on and off.
+One 2-rank world, a tied 2-layer GPT (hidden 64, vocabulary 2048: the token embedding is 2.6 blocks) with every
+parameter sharded (persistence 0), fp32. Measured on the storages themselves: the backward gathers the embedding's
+unit into the very memory its forward released (one allocation per step, not two), which is held aside meanwhile
+and freed by the backward's release; the step's tracked peak is the same with parking on and off; and the
+embedding's gradient is reduce-scattered from the tensor autograd made (no staging copy of its size).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ def _park_world(ctx) -> dict:
     from megazero.zero import ZeroOptimizer
 
     torch.set_num_threads(1)
-    cfg = model_preset("tiny", num_layers=2, hidden_size=64, num_heads=4, seq_len=32, vocab_size=512)
+    cfg = model_preset("tiny", num_layers=2, hidden_size=64, num_heads=4, seq_len=32, vocab_size=2048)
     model = GPT(cfg)
     init_parameters(model, 1234)
     opt = ZeroOptimizer(model, ZeroConfig(stage=3, stage3_param_persistence_threshold=0), OptimizerConfig(),
@@ -26,7 +28,7 @@ def _park_world(ctx) -> dict:
     store, slots = opt.store, opt.store.slots
     root = next(u for u in store.units if u.is_root and any(p is model.wte.weight for p in u.params))
     g = torch.Generator().manual_seed(7 + ctx.dp_rank)
-    x, y = torch.randint(0, 512, (2, 32), generator=g), torch.randint(0, 512, (2, 32), generator=g)
+    x, y = torch.randint(0, 2048, (2, 32), generator=g), torch.randint(0, 2048, (2, 32), generator=g)
     fills: list[tuple[int, int]] = []  # (data pointer, bytes) of the own unit's storage after each fill
     fill = slots.fill
 
@@ -36,7 +38,17 @@ def _park_world(ctx) -> dict:
             fills.append((storage.data_ptr(), storage.nbytes()))
 
     slots.fill = recording_fill
-    out: dict = {}
+    grads, reduced = [], []  # the embedding's gradient as autograd made it; every reduction's input (pointer, bytes)
+    model.wte.weight.register_hook(lambda grad: grads.append((grad.data_ptr(), grad.nbytes)))
+    group = store.reduce_group
+    reduce_scatter = group.reduce_scatter
+
+    def recording_reduce_scatter(out, inp, **kw):
+        reduced.append((inp.data_ptr(), inp.nbytes))
+        return reduce_scatter(out, inp, **kw)
+
+    group.reduce_scatter = recording_reduce_scatter
+    out: dict = {"wte_unit": len(root.params)}
 
     def step(probe: bool = False):
         opt.zero_grad()
@@ -58,6 +70,7 @@ def _park_world(ctx) -> dict:
     fills.clear()
     out["loss"] = float(step(probe=True))
     out["fills"] = list(fills)
+    out["grads"], out["reduced"] = list(grads[-1:]), list(reduced)
     peaks = {}
     for parking in (False, True, False, True):  # alternated: glibc's state is not part of a tracked peak
         slots.parking = parking
@@ -69,10 +82,11 @@ def _park_world(ctx) -> dict:
     return out
 
 
-def test_own_units_are_parked_from_forward_to_backward():
-    """The backward's gather of the chunk's own unit (the tied embedding) lands in the memory its forward used,
-    held aside in between (the storage itself empty, as released) and freed once backward releases it; the
-    step's tracked peak does not change with parking."""
+def test_own_units_are_parked_and_the_embedding_is_reduced_from_its_grad():
+    """The backward's gather of the tied embedding's unit lands in the memory its forward used, held aside in
+    between (the storage itself empty, as released) and freed once backward releases it; the step's tracked
+    peak does not change with parking; the embedding, larger than a block, is a unit of its own whose reduction
+    reads its gradient where autograd left it."""
     from tests.dist import run_world
 
     for r in run_world(_park_world, 2, timeout=300):
@@ -81,6 +95,8 @@ def test_own_units_are_parked_from_forward_to_backward():
         assert b_ptr == f_ptr, r["fills"]
         assert r["between"] == {"storage_bytes": 0, "parked": True, "held_at_forward_ptr": r["full_bytes"]}, r
         assert r["after"]["parked"] is False, r
+        assert r["wte_unit"] == 1, r  # the token embedding apart from the position table and final norm
+        assert r["grads"][0] in r["reduced"], (r["grads"], r["reduced"])  # reduced from autograd's own tensor
         on, off = r["peaks"][True], r["peaks"][False]
         assert on[0] == on[1] and off[0] == off[1], r["peaks"]
         assert on[0] == off[0], r["peaks"]

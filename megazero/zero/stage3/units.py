@@ -7,7 +7,11 @@ block) is a *block unit*, gathered just before its forward and its backward and 
 other trainable parameter of the chunk (embeddings, final LayerNorm, the tied LM head) belongs to the chunk's
 *root units*, gathered for the chunk's whole forward and whole backward (the tied embedding is read at both
 ends of the chunk). A parameter listed in ``isolate`` gets a root unit of its own, so its partition over the
-DP group depends on nothing else (the tied embedding's two pipeline copies must be partitioned alike).
+DP group depends on nothing else (the tied embedding's two pipeline copies must be partitioned alike). So does a
+chunk's own parameter larger than its largest block (GPT-2 124M's token embedding, 5.5 blocks): alone in its unit
+(unpadded where its size divides evenly), its gradient is reduce-scattered straight from its ``.grad``, where a
+unit shared with the position table copied it into a staging buffer of the unit's size first (at 124M a fresh
+157 MB per rank and step, faulted in).
 
 Each unit's parameters form one :class:`~megazero.zero.bucketed.FlatLayout` over the DP group.
 """
@@ -50,8 +54,10 @@ class UnitSpec:
     is_root: bool
 
 
-def collect_units(model: nn.Module, isolate: Sequence[nn.Parameter] = ()) -> list[UnitSpec]:
-    """Every chunk's root units (its own parameters; isolated ones apart) then its block units, in order.
+def collect_units(model: nn.Module, isolate: Sequence[nn.Parameter] = (), apart_larger: bool = True
+                  ) -> list[UnitSpec]:
+    """Every chunk's root units (its own parameters; isolated ones apart, and with ``apart_larger`` those larger
+    than a block) then its block units, in order.
 
     Only trainable parameters are listed, each once; units without parameters are left out.
     """
@@ -71,6 +77,9 @@ def collect_units(model: nn.Module, isolate: Sequence[nn.Parameter] = ()) -> lis
                 blocks += [(f"{prefix}{name}.{key}", block) for key, block in child.named_children()]
         in_blocks = {id(p) for _, b in blocks for p in b.parameters()}
         own = [p for p in chunk.parameters() if id(p) not in in_blocks]
+        largest = max((sum(p.numel() for p in b.parameters() if p.requires_grad) for _, b in blocks), default=0)
+        if largest and apart_larger:  # own parameters larger than a block: units of their own (module docstring)
+            isolated |= {id(p) for p in own if p.numel() > largest}
         rest = fresh([p for p in own if id(p) not in isolated])
         for p in own:
             if id(p) in isolated:
