@@ -10,6 +10,10 @@ way, whose RSS (libraries, data, the loop) is subtracted. The table gives median
 stage's figure relative to stage 0's. ``--env K=V`` adds to the ranks' environment (e.g. the probe
 ``MALLOC_MMAP_THRESHOLD_=131072``, which makes glibc hand freed memory back and so shows the live-tensor floor).
 
+``--trim`` runs each rank through this script (``--as-rank-with-trim``), which adds one glibc ``malloc_trim(0)``
+after the engine is built (what ``device_io.release_free_memory`` did until construction stopped leaving freed
+heap behind, issue 31 item 1): the same tree with and without it shows what a trim would still hand back.
+
 ``--eval`` (issue 31, item 2) measures instead what evaluation adds at ZeRO-3: each ``--layouts`` entry (``dp4``;
 ``pp2``: pp 2 x dp 2, 1F1B; ``pp2i``: pp 2 x dp 2, interleaved, two chunks of 2 + 1 layers per rank) trains the
 49M GPT with global batch 8 (4 micro-batches per step at dp 2) with and without an evaluation of 2 batches
@@ -38,12 +42,35 @@ LAYOUTS = {"dp4": [], "pp2": ["--pp", "2"],
 EVAL = ["--eval-interval", "5", "--eval-iters", "2"]  # one evaluation of 2 global batches, after the last step
 
 
+TRIM_FLAG = "--as-rank-with-trim"  # argv[1] of a rank launched by --trim
+
+
+def rank_with_trim(argv: list[str]) -> None:
+    """One rank of pretrain/gpt.py with ``malloc_trim(0)`` once the engine is built (``--trim``)."""
+    import ctypes
+    import runpy
+
+    sys.path.insert(0, ROOT)
+    from megazero.distributed import device_io
+
+    release = device_io.release_free_memory
+
+    def release_and_trim(device) -> None:
+        release(device)
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+    device_io.release_free_memory = release_and_trim  # the engine calls it through the module
+    sys.argv = [os.path.join(ROOT, "pretrain", "gpt.py"), *argv]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+
+
 def peak_rss_mb(stage: int, model: str, cache: str, env: dict[str, str], extra: list[str] | None = None,
-                batch: int = 4) -> float:
+                batch: int = 4, trim: bool = False) -> float:
     """The largest process's peak RSS (MB) of one 4-rank run (``extra``: more flags; with an evaluation they
-    replace ``--eval-interval 0``)."""
+    replace ``--eval-interval 0``; ``trim``: one ``malloc_trim(0)`` after construction)."""
     extra = extra or []
-    cmd = ["/usr/bin/time", "-v", "torchrun", "--standalone", "--nproc-per-node", "4", "pretrain/gpt.py",
+    script = ["bench/zero_rss.py", TRIM_FLAG] if trim else ["pretrain/gpt.py"]
+    cmd = ["/usr/bin/time", "-v", "torchrun", "--standalone", "--nproc-per-node", "4", *script,
            *MODELS[model], "--zero-stage", str(stage), "--train-steps", "5", "--global-batch-size", str(batch),
            "--micro-batch-size", "1", *([] if "--eval-interval" in extra else ["--eval-interval", "0"]), *extra,
            "--cache-dir", cache, "--no-progress"]
@@ -62,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--cache-dir", default=None, help="data/tokenizer cache (default: a fresh one, built once)")
     ap.add_argument("--env", action="append", default=[], metavar="K=V")
+    ap.add_argument("--trim", action="store_true", help="one malloc_trim(0) in each rank after construction")
     ap.add_argument("--eval", action="store_true", help="ZeRO-3 with an evaluation against without, per layout")
     ap.add_argument("--layouts", default="dp4,pp2,pp2i", help="with --eval: " + ", ".join(LAYOUTS))
     args = ap.parse_args(argv)
@@ -76,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     for rep in range(args.reps):
         for stage in stages:
             for model in MODELS:
-                mb = peak_rss_mb(stage, model, cache, env)
+                mb = peak_rss_mb(stage, model, cache, env, trim=args.trim)
                 peaks.setdefault((model, stage), []).append(mb)
                 print(f"rep {rep + 1}: stage {stage} {model:4s} peak RSS {mb:7.1f} MB", flush=True)
     med = {k: statistics.median(v) for k, v in peaks.items()}
@@ -106,4 +134,7 @@ def eval_table(layouts: list[str], reps: int, cache: str, env: dict[str, str]) -
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    if sys.argv[1:2] == [TRIM_FLAG]:
+        rank_with_trim(sys.argv[2:])
+    else:
+        sys.exit(main())

@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import weakref
 from dataclasses import replace
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from megazero.config.cli import parse_args
 from tests.common import SMALL_FLAGS
@@ -210,3 +213,145 @@ def test_stage2_files_nothing_beside_the_tied_embedding_at_its_peak():
     threshold there too, more of a block's filed gradients sit beside them."""
     for (now, bound), (before, _) in run_world(_stage2_peak_grads, 2, timeout=240):
         assert now < bound < before, (now, bound, before)
+
+
+# -- construction frees nothing (issue 31 item 1: RSS with glibc's defaults, no malloc_trim) -------------------
+class _Freed(TorchDispatchMode):
+    """The storages operators allocate inside the block (an output sharing no input's storage) that die before
+    it ends: construction's temporaries, the freed heap glibc keeps resident under later allocations. ``freed``
+    lists their sizes in bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.freed: list[int] = []
+        self.active = False
+        self._seen: set[int] = set()
+
+    def _died(self, key: int, nbytes: int) -> None:
+        self._seen.discard(key)  # a later storage may get the same address
+        if self.active:
+            self.freed.append(nbytes)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                st = t.untyped_storage()
+                if st._cdata not in inputs and st._cdata not in self._seen and st.nbytes() > 0:
+                    self._seen.add(st._cdata)
+                    weakref.finalize(st, self._died, st._cdata, st.nbytes())
+        return out
+
+    def __enter__(self):
+        self.active = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.active = False
+        return super().__exit__(*exc)
+
+
+def _construction_frees(ctx) -> dict[tuple[int, bool], tuple[list[int], int]]:
+    """(stage, through ParameterInit.into) -> (bytes of each storage construction allocated and freed, the bytes
+    of the parameters over 4 KiB, whether the values equal init_parameters' on a model built with storage): a meta-built GPT (vocabulary padded) materialised by ZeroOptimizer, as the
+    recipe does; without ``into`` each value is drawn into fresh tensors and copied (the path of before)."""
+    from megazero.config.schema import ModelConfig, OptimizerConfig, ZeroConfig
+    from megazero.model.gpt import GPT, init_parameters, parameter_initializer
+    from megazero.zero import ZeroOptimizer
+
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_heads=4, seq_len=32, vocab_size=1000)
+    ref = GPT(cfg)  # built with storage, every parameter drawn by its name in the module
+    init_parameters(ref, seed=0)
+    out = {}
+    for stage in (0, 2, 3):
+        for into in (True, False):
+            with torch.device("meta"):
+                model = GPT(cfg)
+            init = parameter_initializer([model], 0, None, torch.device("cpu"))
+            param_init = init if into else (lambda p, f=init: f(p))  # the same values, no `into`
+            zero = ZeroConfig(stage=stage, stage3_param_persistence_threshold=1000)
+            with _Freed() as freed:
+                opt = ZeroOptimizer(model, zero, OptimizerConfig(), ctx.dp_group, precision="fp32",
+                                    param_init=param_init, device=torch.device("cpu"))
+            with opt.gathered_parameters():  # the values: those of a model built with storage
+                same = all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+            del opt  # kept until the block ended: its buffers are not temporaries
+            out[stage, into] = (freed.freed, sum(4 * p.numel() for p in model.parameters() if 4 * p.numel() > 4096),
+                                same)
+    return out
+
+
+def test_construction_frees_no_temporary():
+    """dp 2, a 2-layer GPT built on meta (vocabulary 1000, padded to 1024), fp32, stages 0, 2 and 3:
+    materialising it allocates no storage of more than 4 KiB that it frees again (each value is drawn straight
+    into its flat buffer or stage-3 slot, to the same values as ``init_parameters`` on a model built with
+    storage), so no freed heap is left under the buffers that stay. Drawn into fresh
+    tensors and copied instead (a ``param_init`` without ``into``), construction frees at least twice the bytes
+    of those parameters at every stage (the draw and ``* std``; the padded and sliced copies beside)."""
+    for got in run_world(_construction_frees, 2, timeout=240):
+        for (stage, into), (freed, weights, same) in got.items():
+            assert same, (stage, into)
+            big = [n for n in freed if n > 4096]
+            if into:
+                assert not big, (stage, sorted(big))
+            else:
+                assert sum(big) >= 2 * weights, (stage, sum(big), weights)
+
+
+class _TPRank:
+    """What the layers and the initializer ask of a TP group: its size and this rank."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self.size, self.rank = size, rank
+
+
+def test_initial_values_are_written_in_place_bit_for_bit():
+    """write_initial_value (what ZeRO's materialisation calls) against initial_value (the draw, ``* std``, the
+    padding and the TP slice, as every reference builds it): the same bits for every parameter of a GPT-2 with a
+    padded vocabulary and of a grouped-query Llama with its own output layer, at tp 1 (in place: no tensor
+    allocated) and on every rank of tp 2 and 4 (drawn in full and sliced; KV heads shared at tp 4), and rounded
+    alike into a bf16 buffer."""
+    from megazero.config.schema import ModelConfig
+    from megazero.model.gpt import GPT
+    from megazero.model.init import initial_value, write_initial_value
+
+    cfgs = [ModelConfig(num_layers=1, hidden_size=64, num_heads=4, seq_len=32, vocab_size=1000),
+            ModelConfig(num_layers=1, hidden_size=64, num_heads=4, seq_len=32, vocab_size=1000, arch="llama",
+                        num_kv_heads=2, ffn_size=96)]
+    for cfg in cfgs:
+        for tp in (1, 2, 4):
+            for r in range(tp):
+                group = _TPRank(tp, r) if tp > 1 else None
+                with torch.device("meta"):
+                    model = GPT(cfg, group)
+                for name, p in model.named_parameters():
+                    want = initial_value(p, name, 7, group)
+                    out = torch.full(p.shape, float("nan"))
+                    with _Freed() as made:
+                        write_initial_value(out, p, name, 7, group)
+                    assert torch.equal(out, want), (cfg.arch, tp, r, name)
+                    assert tp > 1 or not (made._seen or made.freed), (name, made.freed)  # in place at tp 1: no allocation
+                    half = torch.empty(p.shape, dtype=torch.bfloat16)
+                    write_initial_value(half, p, name, 7, group)
+                    assert torch.equal(half, want.to(torch.bfloat16)), (cfg.arch, tp, r, name)
+
+
+def test_mapped_scratch_returns_its_memory():
+    """device_io.mapped: a temporary in a mapping of its own, gone from the process's maps once the tensor dies
+    (what keeps a ZeRO-3 unit larger than a slot off the heap at construction)."""
+    from megazero.distributed import device_io
+
+    def mapping(address: int) -> str | None:
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return line
+        return None
+
+    t = device_io.mapped(1 << 20, torch.float32)
+    address = t.data_ptr()
+    t.normal_()
+    assert mapping(address) is not None and t.shape == (1 << 20,)
+    del t
+    assert mapping(address) is None

@@ -156,11 +156,11 @@ MUTATIONS = [
              "    p._backward_hooks = None  # the hooks stayed",
              "    pass  # the hooks stayed",
              ("tests/test_stage3.py::test_stage3_with_sequence_parallelism_built_on_meta",)),
-    Mutation("stage3-init-name", "ZeRO-3: sharded initialisation seeds a parameter from another name",
-             "megazero/model/gpt.py",
-             "    return lambda p: initial_value(p, names[p], seed, tp_group).to(device)",
-             "    return lambda p: initial_value(p, names[p] + \".x\", seed, tp_group).to(device)",
-             ("tests/test_stage3.py::test_stage3_peaks_order_check_holding_and_sharded_init_at_dp4",)),
+    Mutation("stage3-init-name", "meta build: the materialiser seeds a parameter from another name",
+             "megazero/model/init.py",
+             "        return self.names[p]",
+             "        return self.names[p] + \".x\"",
+             ("tests/test_zero_rss.py::test_construction_frees_no_temporary",)),
 ]
 
 

@@ -17,6 +17,7 @@ Meta storages all report ``data_ptr() == 0``, so :func:`storage_key` tells those
 from __future__ import annotations
 
 import contextlib
+import mmap
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -24,7 +25,7 @@ from contextvars import ContextVar
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["DeviceHost", "EmulatedHost", "adjacent", "current", "emulated", "empty", "is_host",
+__all__ = ["DeviceHost", "EmulatedHost", "adjacent", "current", "emulated", "empty", "is_host", "mapped",
            "on_host", "read", "release_free_memory", "same_data", "storage_key", "to_device", "use", "zeros"]
 
 _MARK = "_megazero_host_memory"  # attribute set on an emulated host storage (storages keep their Python object)
@@ -148,22 +149,26 @@ def adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:
             and (a.storage_offset() + a.numel()) * a.element_size() == b.storage_offset() * b.element_size())
 
 
-def release_free_memory(device: torch.device) -> None:
-    """Hand what the allocators keep free back to the system, once, after construction: CUDA's cached blocks
-    (``empty_cache``), and on the host glibc's free heap pages (``malloc_trim``; nothing elsewhere).
+def mapped(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """``numel`` uninitialised CPU elements in an anonymous memory mapping of their own, unmapped (returned to
+    the system) when the tensor dies, whatever glibc's thresholds: for a large temporary made once, such as
+    construction's fp32 copy of a ZeRO-3 unit too large for a slot. The heap would keep such a block resident
+    under whatever is allocated after it, and glibc heap-allocates blocks up to 32 MiB once its dynamic mmap
+    threshold has risen."""
+    buf = mmap.mmap(-1, max(1, numel * dtype.itemsize), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buf, dtype=dtype, count=numel)  # holds the mapping until the storage dies
 
-    Building a model one parameter or unit at a time leaves freed temporaries behind small live allocations, and
-    glibc can return a heap only from its top: without this, a rank can start training with some 100 MB of free
-    but resident heap (measured on the 49M GPT at ZeRO-3, bench/README.md). Buffers used again and again are
-    allocated once instead (ZeRO-3's slots), so this is not needed per step."""
+
+def release_free_memory(device: torch.device) -> None:
+    """Hand CUDA's cached blocks back once, after construction (``empty_cache``; nothing on other devices).
+
+    On the host there is nothing to hand back and nothing is trimmed: construction writes each parameter's
+    initial value straight into the buffer that keeps it (:mod:`megazero.model.init`), so it leaves no freed
+    heap behind live allocations with glibc's defaults (bench/README.md, "ZeRO's process peak";
+    tests/test_zero_rss.py counts the bytes construction frees). Buffers used again and again are allocated
+    once (ZeRO-3's slots), so this is not needed per step either."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 @contextmanager

@@ -51,8 +51,7 @@ fused causal kernel, recomputation and compiled blocks.
 from __future__ import annotations
 
 import math
-import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -65,6 +64,7 @@ from megazero.config.schema import ActivationCheckpointingConfig, ModelConfig
 from megazero.context_parallel import context_parallel_attention, local_positions
 from megazero.distributed.group import Group
 from megazero.model.cache import KVCache, LayerKV
+from megazero.model.init import init_parameters, initial_value, parameter_initializer
 from megazero.model.kernels import causal_attention, dropout, emulated
 from megazero.model.layers import LayerNorm, RMSNorm, apply_rotary, rotary_tables
 from megazero.tensor_parallel import (
@@ -72,7 +72,6 @@ from megazero.tensor_parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
     gather_from_tp_region,
-    shard_full_tensor,
     vocab_parallel_cross_entropy,
 )
 from megazero.tensor_parallel.layers import replicated_parameter, tp_size_rank, unshard_tensor
@@ -442,10 +441,6 @@ class GPT(nn.Module):
         return logits[..., : self.cfg.vocab_size]
 
 
-def _name_seed(seed: int, name: str) -> int:
-    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
-
-
 @torch.no_grad()
 def full_state_dict(model: nn.Module, tp_group: Group | None = None, only=None) -> dict[str, torch.Tensor]:
     """The unsharded, unpadded fp32 parameters (a collective over ``tp_group``; every TP rank gets them); those
@@ -461,35 +456,3 @@ def full_state_dict(model: nn.Module, tp_group: Group | None = None, only=None) 
             shards = tp_group.all_gather_list(p.detach().float().contiguous(), tag="other")
         out[name] = unshard_tensor(shards, spec).clone()
     return out
-
-
-def initial_value(p: nn.Parameter, name: str, seed: int, tp_group: Group | None = None) -> torch.Tensor:
-    """The fp32 initial value of parameter ``p`` at this rank's (TP-shard) shape: drawn in full at its
-    unsharded shape from ``(seed, name)``, then sliced for this TP rank (``name`` is the unsharded name)."""
-    tp_size, tp_rank = tp_size_rank(tp_group)
-    spec = p.shard_spec
-    full = spec.make_full(torch.Generator().manual_seed(_name_seed(seed, name)))
-    return shard_full_tensor(full, spec, tp_rank, tp_size)
-
-
-@torch.no_grad()
-def init_parameters(model: nn.Module, seed: int, tp_group: Group | None = None) -> None:
-    """Initialise every parameter from ``(seed, its unsharded name)`` at full shape, then keep this rank's slice.
-
-    Any topology (tp, pp) therefore starts from the same model.
-    """
-    for name, p in model.named_parameters():
-        if p.is_meta:  # no storage to fill (the dry run)
-            continue
-        p.copy_(initial_value(p, name, seed, tp_group).to(p.dtype))
-
-
-def parameter_initializer(chunks: list[nn.Module], seed: int, tp_group: Group | None,
-                          device: torch.device) -> Callable[[nn.Parameter], torch.Tensor]:
-    """For a model built on the meta device: a function giving one parameter's initial fp32 value on
-    ``device``, bit-identical to :func:`init_parameters` on each of ``chunks`` (ZeRO's sharded initialisation
-    materialises one gather unit at a time with it)."""
-    if torch.device(device).type == "meta":  # the dry run: shapes only, nothing to compute
-        return lambda p: torch.empty(p.shape, dtype=torch.float32, device=device)
-    names = {p: n for chunk in chunks for n, p in chunk.named_parameters()}
-    return lambda p: initial_value(p, names[p], seed, tp_group).to(device)

@@ -16,6 +16,7 @@ from torch import nn
 
 from megazero.distributed import device_io
 from megazero.distributed.group import Group
+from megazero.zero import flat
 from megazero.zero.flat import FlatLayout, OwnedSegment, Piece, build_buckets, set_data, storage_bytes
 
 __all__ = [
@@ -157,10 +158,9 @@ class BucketedParams:
                  for _, lo, hi in ranges]
         for s, _, layout in self.buckets:
             self.param_flat[s + layout.numel: s + layout.padded_numel].zero_()
-        for p in order:  # one parameter's full fp32 value at a time (from param_init when built on the meta device)
-            value = param_init(p) if p.is_meta else p.detach()
+        for p in order:  # one parameter's value at a time (built on the meta device: drawn in place where fp32)
             pv = self.param_flat[self._start[p]: self._start[p] + p.numel()].view(p.shape)
-            pv.copy_(value)
+            value = flat.initial_into(param_init, p, pv)  # its fp32 value (pv itself, or a temporary)
             for b, off, base, n, _ in self._pieces[p]:
                 _, lo, hi = ranges[b]
                 a, z = max(off, lo), min(off + n, hi)

@@ -14,7 +14,7 @@ that it can apply weight decay and count the gradient norm per parameter without
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -23,7 +23,7 @@ from torch import nn
 
 from megazero.distributed import device_io
 
-__all__ = ["FlatLayout", "OwnedSegment", "Piece", "build_buckets", "set_data", "storage_bytes"]
+__all__ = ["FlatLayout", "OwnedSegment", "Piece", "build_buckets", "initial_into", "set_data", "storage_bytes"]
 
 
 @dataclass(frozen=True)
@@ -147,6 +147,24 @@ def set_data(p: nn.Parameter, value: torch.Tensor) -> None:
     p._post_accumulate_grad_hooks = None
     for hook in post:
         p.register_post_accumulate_grad_hook(hook)
+
+
+def initial_into(param_init: Callable[[nn.Parameter], torch.Tensor] | None, p: nn.Parameter,
+                 out: torch.Tensor) -> torch.Tensor:
+    """Write ``p``'s initial value into ``out`` (``p``'s shape: the memory that keeps it) and return the value:
+    ``p``'s own when it has storage; for a parameter built on the meta device, drawn straight into an fp32
+    ``out`` through ``param_init.into`` where the initializer has one (:class:`megazero.model.init.ParameterInit`:
+    no temporary of the parameter's size, so construction leaves no freed heap behind; its module docstring),
+    else ``param_init(p)``'s fresh fp32 tensor, copied (rounded) into ``out``."""
+    if not p.is_meta:
+        value = p.detach()
+    elif out.dtype == torch.float32 and hasattr(param_init, "into"):
+        param_init.into(p, out)
+        return out
+    else:
+        value = param_init(p)
+    out.copy_(value)
+    return value
 
 
 def storage_bytes(tensors: Sequence[torch.Tensor], seen: set[int] | None = None) -> int:

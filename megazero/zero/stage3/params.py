@@ -32,8 +32,8 @@ fp32 master copy.
   stay whole on every rank, handled like stage 2 by one :class:`~megazero.zero.bucketed.BucketedParams` per
   model chunk; their gradients mark the chunk touched, so a W pass reaching no unit still finishes the store.
 * **Sharded initialisation**: a model built on the meta device is materialised one unit at a time by
-  ``param_init`` (the full local value of one parameter): a unit's parameters are initialised in full, this
-  rank's slice kept, and the full values freed before the next unit.
+  ``param_init``: a unit's parameters are drawn in full straight into a slot (fp32; a unit larger than a slot
+  into ``device_io.mapped`` memory on the CPU), this rank's slice kept, so construction frees no heap block.
 * **Several chunks per rank** (the interleaved pipeline schedule): every chunk has its own hooks and passes;
   a backward reduces the units of the chunks it ran through only.
 
@@ -55,6 +55,7 @@ from megazero.config.schema import ZeroConfig
 from megazero.distributed import device_io
 from megazero.distributed.group import Group
 from megazero.zero.bucketed import BucketedParams, FlatLayout, OwnedSegment, set_data
+from megazero.zero.flat import initial_into
 from megazero.zero.stage3.gather import BWD, FWD, GatherOrderError, GatherScheduler
 from megazero.zero.stage3.hpz import zeropp_comm
 from megazero.zero.stage3.slots import SlotPool
@@ -92,9 +93,6 @@ class Stage3Params:
         self.segments: list[OwnedSegment] = []
         for c in range(len(self.chunks)):
             ps = [p for s in specs if s.chunk == c for p in s.params if p.numel() <= threshold]
-            for p in ps:
-                if p.is_meta:  # persistent parameters are held whole anyway: materialise them in full
-                    set_data(p, param_init(p).to(self.device))
             store = BucketedParams(
                 ps, dtype, dp_group, shard_optimizer=True, shard_gradients=True,
                 bucket_numel=min(cfg.reduce_bucket_size, cfg.allgather_bucket_size), align=align,
@@ -167,12 +165,13 @@ class Stage3Params:
         the model is on the meta device), release the unit, and return its owned segment."""
         layout, ps = unit.layout, unit.params
         lo, hi = layout.shard_range(self.rank)
-        slot, flat32 = self.slots.view(layout.padded_numel, torch.float32)  # in a slot where it fits (fp32)
+        if self.device.type == "cpu" and layout.padded_numel * 4 > self.slots.slot_bytes:  # larger than a slot:
+            slot, flat32 = None, device_io.mapped(layout.padded_numel, torch.float32)  # off the heap (mapped's why)
+        else:
+            slot, flat32 = self.slots.view(layout.padded_numel, torch.float32)  # in a slot where it fits (fp32)
         flat32.zero_()
         for p, o, n in zip(ps, layout.offsets, layout.numels):
-            value = param_init(p) if p.is_meta else p.detach()
-            flat32[o: o + n].copy_(value.reshape(-1))
-            del value
+            initial_into(param_init, p, flat32[o: o + n].view(p.shape))  # built on meta: drawn in place
             set_data(p, self._placeholder.expand(p.shape))  # frees the parameter's own (full) storage
         unit.shard.copy_(flat32[lo:hi])
         init = flat32[lo:hi].clone() if self.dtype != torch.float32 else None
