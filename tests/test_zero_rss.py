@@ -252,10 +252,11 @@ class _Freed(TorchDispatchMode):
         return super().__exit__(*exc)
 
 
-def _construction_frees(ctx) -> dict[tuple[int, bool], tuple[list[int], int]]:
-    """(stage, through ParameterInit.into) -> (bytes of each storage construction allocated and freed, the bytes
-    of the parameters over 4 KiB, whether the values equal init_parameters' on a model built with storage): a meta-built GPT (vocabulary padded) materialised by ZeroOptimizer, as the
-    recipe does; without ``into`` each value is drawn into fresh tensors and copied (the path of before)."""
+def _construction_frees(ctx) -> dict[tuple[int, str, bool], tuple[list[int], int, bool]]:
+    """(stage, precision, through ParameterInit.into) -> (bytes of each storage construction allocated and freed,
+    the bytes of the parameters over 4 KiB, whether the values equal init_parameters' on a model built with
+    storage): a meta-built GPT (vocabulary padded) materialised by ZeroOptimizer, as the recipe does; without
+    ``into`` each value is drawn into fresh tensors and copied (the path of before)."""
     from megazero.config.schema import ModelConfig, OptimizerConfig, ZeroConfig
     from megazero.model.gpt import GPT, init_parameters, parameter_initializer
     from megazero.zero import ZeroOptimizer
@@ -264,7 +265,7 @@ def _construction_frees(ctx) -> dict[tuple[int, bool], tuple[list[int], int]]:
     ref = GPT(cfg)  # built with storage, every parameter drawn by its name in the module
     init_parameters(ref, seed=0)
     out = {}
-    for stage in (0, 2, 3):
+    for stage, precision in ((0, "fp32"), (2, "fp32"), (3, "fp32"), (2, "bf16")):
         for into in (True, False):
             with torch.device("meta"):
                 model = GPT(cfg)
@@ -272,31 +273,32 @@ def _construction_frees(ctx) -> dict[tuple[int, bool], tuple[list[int], int]]:
             param_init = init if into else (lambda p, f=init: f(p))  # the same values, no `into`
             zero = ZeroConfig(stage=stage, stage3_param_persistence_threshold=1000)
             with _Freed() as freed:
-                opt = ZeroOptimizer(model, zero, OptimizerConfig(), ctx.dp_group, precision="fp32",
+                opt = ZeroOptimizer(model, zero, OptimizerConfig(), ctx.dp_group, precision=precision,
                                     param_init=param_init, device=torch.device("cpu"))
-            with opt.gathered_parameters():  # the values: those of a model built with storage
-                same = all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+            with opt.gathered_parameters():  # the values: those of a model built with storage (rounded alike)
+                same = all(torch.equal(p, q.to(p.dtype)) for p, q in zip(model.parameters(), ref.parameters()))
             del opt  # kept until the block ended: its buffers are not temporaries
-            out[stage, into] = (freed.freed, sum(4 * p.numel() for p in model.parameters() if 4 * p.numel() > 4096),
-                                same)
+            weights = sum(4 * p.numel() for p in model.parameters() if 4 * p.numel() > 4096)
+            out[stage, precision, into] = (freed.freed, weights, same)
     return out
 
 
 def test_construction_frees_no_temporary():
-    """dp 2, a 2-layer GPT built on meta (vocabulary 1000, padded to 1024), fp32, stages 0, 2 and 3:
-    materialising it allocates no storage of more than 4 KiB that it frees again (each value is drawn straight
-    into its flat buffer or stage-3 slot, to the same values as ``init_parameters`` on a model built with
-    storage), so no freed heap is left under the buffers that stay. Drawn into fresh
-    tensors and copied instead (a ``param_init`` without ``into``), construction frees at least twice the bytes
-    of those parameters at every stage (the draw and ``* std``; the padded and sliced copies beside)."""
+    """dp 2, a 2-layer GPT built on meta (vocabulary 1000, padded to 1024), stages 0, 2 and 3 in fp32 and stage 2
+    in bf16: materialising it allocates no storage of more than 4 KiB that it frees again (each value is drawn
+    straight into its flat buffer or stage-3 slot, to the same values as ``init_parameters`` on a model built with
+    storage; in bf16 beside the flat buffer in mapped memory, and the owned slices' fp32 starting values are laid
+    out as the master, which takes them as they are), so no freed heap is left under the buffers that stay. Drawn
+    into fresh tensors and copied instead (a ``param_init`` without ``into``), construction frees at least twice
+    the bytes of those parameters each time (the draw and ``* std``; the padded and sliced copies beside)."""
     for got in run_world(_construction_frees, 2, timeout=240):
-        for (stage, into), (freed, weights, same) in got.items():
-            assert same, (stage, into)
+        for (stage, precision, into), (freed, weights, same) in got.items():
+            assert same, (stage, precision, into)
             big = [n for n in freed if n > 4096]
             if into:
-                assert not big, (stage, sorted(big))
+                assert not big, (stage, precision, sorted(big))
             else:
-                assert sum(big) >= 2 * weights, (stage, sum(big), weights)
+                assert sum(big) >= 2 * weights, (stage, precision, sum(big), weights)
 
 
 class _TPRank:

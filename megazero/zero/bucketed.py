@@ -154,8 +154,10 @@ class BucketedParams:
             self.owned_grad = None
         ranges = [(s, *lay.shard_range(self.rank)) for s, _, lay in self.buckets]
         # the owned slices' fp32 starting values for a mixed-precision master copy (zeros in the padding)
-        inits = [torch.zeros(hi - lo, dtype=torch.float32, device=device) if dtype != torch.float32 else None
-                 for _, lo, hi in ranges]
+        owned = [hi - lo for _, lo, hi in ranges]  # mixed precision: one fp32 buffer, the master-to-be (state.py)
+        mixed = dtype != torch.float32 and bool(owned)
+        inits = list(torch.zeros(sum(owned), dtype=torch.float32, device=device).split(owned)) if mixed \
+            else [None] * len(owned)
         for s, _, layout in self.buckets:
             self.param_flat[s + layout.numel: s + layout.padded_numel].zero_()
         for p in order:  # one parameter's value at a time (built on the meta device: drawn in place where fp32)

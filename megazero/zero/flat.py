@@ -155,12 +155,16 @@ def initial_into(param_init: Callable[[nn.Parameter], torch.Tensor] | None, p: n
     ``p``'s own when it has storage; for a parameter built on the meta device, drawn straight into an fp32
     ``out`` through ``param_init.into`` where the initializer has one (:class:`megazero.model.init.ParameterInit`:
     no temporary of the parameter's size, so construction leaves no freed heap behind; its module docstring),
-    else ``param_init(p)``'s fresh fp32 tensor, copied (rounded) into ``out``."""
+    else ``param_init(p)``'s fresh fp32 tensor (drawn in place into ``device_io.mapped`` memory beside a CPU
+    ``out`` of a narrower dtype), copied (rounded) into ``out``."""
     if not p.is_meta:
         value = p.detach()
     elif out.dtype == torch.float32 and hasattr(param_init, "into"):
         param_init.into(p, out)
         return out
+    elif out.device.type == "cpu" and hasattr(param_init, "into"):  # the fp32 value beside a narrower ``out``
+        value = device_io.mapped(out.numel(), torch.float32).view(out.shape)  # off the heap (mapped's why)
+        param_init.into(p, value)
     else:
         value = param_init(p)
     out.copy_(value)

@@ -57,7 +57,12 @@ class OwnedState:
                 return host.fp32(self.numel, zero)
             return (torch.zeros if zero else torch.empty)(self.numel, dtype=torch.float32, device=device)
 
-        if separate_master:  # an fp32 master copy of the owned partition (from the fp32 model)
+        inits = [s.init for s in segs]
+        if separate_master and host is None and _one_buffer(inits, self.numel):  # the store's fp32 start, in order
+            self.master = inits[0].as_strided((self.numel,), (1,), 0)  # becomes the master: nothing copied or freed
+            for s in segs:
+                s.init = None
+        elif separate_master:  # an fp32 master copy of the owned partition (from the fp32 model)
             self.master = fp32(zero=False)
             for s, a in zip(segs, self.starts):
                 self.master[a: a + s.param.numel()].copy_(s.init if s.init is not None else s.param)
@@ -149,6 +154,16 @@ class OwnedState:
                     raise ValueError(f"optimizer state {kind} at offset {offset} of a {tuple(p.shape)} parameter has "
                                      f"{src.numel()} elements, expected {view.numel()}")
                 view.copy_(src)
+
+
+def _one_buffer(inits: list[torch.Tensor | None], numel: int) -> bool:
+    """Whether ``inits`` lie end to end over one whole buffer of ``numel`` fp32 elements from its start (stages 1-2
+    lay the owned slices' starting values out so: that buffer can be the master as it is)."""
+    if not inits or any(t is None for t in inits) or inits[0].storage_offset() != 0:
+        return False
+    if inits[0].untyped_storage().nbytes() != numel * 4 or inits[0].dtype != torch.float32:
+        return False
+    return all(device_io.adjacent(a, b) for a, b in zip(inits, inits[1:]))
 
 
 def _extend(a: torch.Tensor, n: int) -> torch.Tensor:
