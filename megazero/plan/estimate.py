@@ -348,7 +348,8 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
     the activations of the blocks already done are freed); at each block's reduction (the block released, its
     staging and, where the reduction dtype is wider than the model's, one converted chunk of the model
     dtype's bytes, its owned part allocated); and at the embedding's backward (the table's one gradient, the
-    head's with the lookup's rows added in place, and the own units' staging). With one micro-batch
+    head's with the lookup's rows added in place, and the own units' staging, less that of own parameters larger
+    than a block, reduced from their gradient). With one micro-batch
     per step the owned gradient partition fills unit by unit as backward reduces it (:attr:`PeakEstimate.
     released` says what is not yet there, and the activations freed); with several it is whole from the
     second on. ``released`` is that difference from the sum of the other fields.
@@ -445,7 +446,15 @@ def _stage3_backward(numel: dict[str, int], threshold: int, e: int, eg: int, dp_
         moments.append((added, missing(i) + done))
         added = e * prefetched + (es + chunk) * block + held - e * largest
         moments.append((added, missing(i + 1) + done))
-    if first and wte:
-        added = e * wte + (es + chunk) * root - e * largest  # one table gradient (TiedGrad), tied or not
+    # own parameters larger than a whole block are units of their own, reduced straight from their gradient
+    # (megazero/zero/stage3/units.py): no staging of their size, only the converted chunks where wider
+    whole: dict[str, int] = {}
+    for k, n in numel.items():
+        if k.startswith("blocks."):
+            whole[k.split(".")[1]] = whole.get(k.split(".")[1], 0) + n
+    limit = max(whole.values(), default=0)
+    apart = sum(n for k, n in big.items() if not k.startswith("blocks.") and limit and n > limit)
+    if first and wte:  # one table gradient (TiedGrad), tied or not
+        added = e * wte + (es + chunk) * (root - apart) + chunk * apart - e * largest
         moments.append((added, missing(n_blocks) + blocks_act))
     return max(moments, key=lambda m: m[0] - m[1])
