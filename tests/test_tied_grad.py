@@ -10,7 +10,9 @@ this rank's vocabulary shard) that operators allocate and that are alive at once
 with the meeting point switched off (``GPT.forward`` builds none: autograd's own path, as before) is the control
 that shows the count can see three. Gradients are compared with that control: plain backward in fp32 and bf16
 with gradient accumulation, TP 2 with and without sequence parallelism, and ZeRO stages 0-3 at dp 2 (the reduced
-gradient each rank owns). A zero-bubble B pass on such a chunk still defers both uses to W, whose sum is checked.
+gradient each rank owns). With few tokens the head's GEMM runs at the lookup's backward, so no table is held
+through the blocks' backward (counted as the lookup's output gradient arrives). A zero-bubble B pass on such a
+chunk still defers both uses to W, whose sum is checked.
 """
 
 from __future__ import annotations
@@ -95,6 +97,35 @@ def test_plain_backward_holds_one_table_gradient():
         assert err < tol, (dtype, err.item())
 
 
+
+
+def _held_at_lookup(model, ids) -> tuple[int, torch.Tensor]:
+    """(table gradients alive as the lookup's output gradient arrives, after every block's backward; the table's
+    ``.grad``)."""
+    held: list[int] = []
+
+    def probe(_module, _args, out: torch.Tensor) -> None:
+        out.register_hook(lambda _g: held.append(len(counter.live)))
+
+    with TableCopies(_table_bytes(model)) as counter:
+        handle = model.wte.register_forward_hook(probe)
+        model(ids, ids).mean().backward()
+        handle.remove()
+    return held[0], model.wte.weight.grad
+
+
+def test_short_batches_hold_the_head_gemm_inputs_through_the_blocks():
+    """Where the head's weight-gradient GEMM inputs are smaller than the table (8 tokens: 8 x (1024 + 64) elements
+    against 1024 x 64), the lookup's backward runs the GEMM: no table gradient is alive through the blocks'
+    backward (one with 128 tokens, and in the control at both sizes); the gradient equals the control's."""
+    gen = torch.Generator().manual_seed(2)
+    for shape, want in (((1, 8), 0), ((4, 32), 1)):
+        ids = torch.randint(0, CFG.vocab_size, shape, generator=gen)
+        held, grad = _held_at_lookup(_model(), ids)
+        with autograd_sum():
+            held_ctl, grad_ctl = _held_at_lookup(_model(), ids)
+        assert (held, held_ctl) == (want, 1), (shape, held, held_ctl)
+        assert _rel(grad, grad_ctl) < 1e-6, shape
 
 def test_split_backward_defers_both_uses_and_w_sums_them():
     """A zero-bubble B pass on a chunk holding both uses (the store checked before the meeting point): nothing

@@ -343,9 +343,10 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
     Stage 3 (:mod:`megazero.zero.stage3.params`) is followed through its backward, the largest of: as it begins
     (the chunk's own units gathered, the next block prefetched, the LM head's fresh gradient of the tied
     embedding); during each block's backward (that block and the next gathered, its gradients staged over its
-    own gathered parameters where the staging dtype is the model's, else one block's gradient staging, the largest block parameter's fresh gradient, the head's gradient of the tied embedding held
-    by autograd until the embedding's backward adds to it; the chunk's own units are released by then, and
-    the activations of the blocks already done are freed); at each block's reduction (the block released, its
+    own gathered parameters where the staging dtype is the model's, else one block's gradient staging, the
+    largest block parameter's fresh gradient, the head's gradient of the tied embedding held until the
+    embedding's backward adds to it, or the head GEMM's inputs where fewer; the chunk's own units are released by
+    then, and the activations of the blocks already done are freed); at each block's reduction (the block released, its
     staging and, where the reduction dtype is wider than the model's, one converted chunk of the model
     dtype's bytes, its owned part allocated); and at the embedding's backward (the table's one gradient, the
     head's with the lookup's rows added in place, and the own units' staging, less that of own parameters larger
@@ -407,15 +408,19 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
     if v > 1:  # several chunks (interleaved, zbv): blocks by their (global) layer, later chunks' others apart
         numel = {(rest if rest.startswith("blocks.") or c == "0" else f"head.{rest}"): n
                  for (c, rest), n in ((k.split(".", 1), n) for k, n in numel.items())}
+    # a tied head whose GEMM inputs (the logits' gradient, its input) are fewer than the table holds those instead
+    # (TiedGrad runs the GEMM at the lookup's backward)
+    head_kept = micro_batch * s * (numel.get("wte.weight", 0) // h + h) if model.tied else 0
     # zbv's LM head has its own copy of the tied embedding on rank 0: no gradient held across the chunk
     gathered, released = _stage3_backward(numel, persistence_threshold, e, eg, dp_size, micro_batches,
-                                          blocks_act, first, last and v == 1, pp_size)
+                                          blocks_act, first, last and v == 1, pp_size, head_kept)
     # the optimizer step works on owned slices: three fp32 tensors of the largest one at most
     return PeakEstimate(states, act, comm, transient + gathered, 3 * e * max(sizes) / dp_size, released)
 
 
 def _stage3_backward(numel: dict[str, int], threshold: int, e: int, eg: int, dp_size: int, micro_batches: int,
-                     blocks_act: float, first: bool, last: bool, pp_size: int) -> tuple[float, float]:
+                     blocks_act: float, first: bool, last: bool, pp_size: int, head_kept: int = 0
+                     ) -> tuple[float, float]:
     """Stage 3's backward peak beyond the states, activations and the common transients of :func:`peak_bytes`
     (its docstring): ``(bytes added, bytes released)`` at the largest of the moments it lists."""
     big = {k: n for k, n in numel.items() if n > threshold}
@@ -428,7 +433,8 @@ def _stage3_backward(numel: dict[str, int], threshold: int, e: int, eg: int, dp_
     block_param = max((n for k, n in big.items() if k.startswith("blocks.")), default=0)
     largest = max(numel.values())  # counted in the common transient: the fresh gradient at the head
     wte = big.get("wte.weight", 0)
-    held = e * wte if first and last else 0.0  # the head's gradient of the tied embedding, until the embedding
+    # the head's gradient of the tied embedding (or the GEMM inputs it is made from, if fewer), until the lookup
+    held = e * (min(wte, head_kept) if head_kept else wte) if first and last else 0.0
 
     def missing(reduced_blocks: float) -> float:  # owned gradient parts not yet reduced (one micro-batch)
         return eg * (root + (n_blocks - reduced_blocks) * block) / dp_size if micro_batches == 1 else 0.0

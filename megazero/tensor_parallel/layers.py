@@ -187,16 +187,19 @@ class _ColumnLinear(torch.autograd.Function):
             store.defer(ctx.params, lambda: _linear_weight_grads(
                 grad_out, gather_sequence(x, group) if sp else x, *needs))
             return pending.wait(), None, None, None, None, None
-        grad_w, grad_b = _linear_weight_grads(grad_out, x, *needs)  # while the collective runs
-        return pending.wait(), _file_tied(ctx.tied, grad_w), grad_b, None, None, None
+        grad_w, grad_b = _weight_grads(ctx.tied, grad_out, x, weight, *needs)  # while the collective runs
+        return pending.wait(), grad_w, grad_b, None, None, None
 
 
-def _file_tied(tied: TiedGrad | None, grad_w: torch.Tensor | None) -> torch.Tensor | None:
-    """``grad_w``, or None once filed with ``tied`` (the lookup's backward returns the sum)."""
-    if tied is None or grad_w is None:
-        return grad_w
-    tied.put(grad_w)
-    return None
+def _weight_grads(tied: TiedGrad | None, grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                  need_w: bool, need_b: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """:func:`_linear_weight_grads`, the weight's filed with ``tied`` instead of returned (the lookup's backward
+    returns the table's gradient), as a GEMM run there where its inputs are smaller than the table."""
+    if tied is None or not need_w:
+        return _linear_weight_grads(grad_out, x, need_w, need_b)
+    tied.file(lambda: _linear_weight_grads(grad_out, x, True, False)[0], grad_out.numel() + x.numel(),
+              weight.numel())
+    return None, _linear_weight_grads(grad_out, x, False, need_b)[1]
 
 
 def _linear_weight_grads(grad_out: torch.Tensor, x: torch.Tensor, weight: bool, bias: bool
@@ -227,8 +230,7 @@ class _Linear(torch.autograd.Function):
         if store is not None:
             store.defer(ctx.params, lambda: _linear_weight_grads(grad_out, x, *needs))
             return grad_in, None, None, None
-        grad_w, grad_b = _linear_weight_grads(grad_out, x, *needs)
-        return grad_in, _file_tied(ctx.tied, grad_w), grad_b, None
+        return grad_in, *_weight_grads(ctx.tied, grad_out, x, weight, *needs), None
 
 
 class _Embedding(torch.autograd.Function):

@@ -114,22 +114,38 @@ class TiedGrad:
     no [V, H] zeros) and returns it as the table's only gradient, which AccumulateGrad takes as ``.grad`` without a
     copy (nothing else references it) and the stores' hooks file as before.
 
+    Where the head's GEMM inputs (the logits' gradient [B*S, V] and the input [B*S, H]) are smaller than the
+    table, as with short sequences and small batches, the head files the GEMM itself (:meth:`file`) and the lookup's
+    backward runs it: between the two, through the blocks' backward, only those inputs are held, not a table.
+
     Made per forward pass (``GPT.forward``, only where one chunk runs both uses), so a backward that stops before
     the lookup leaves nothing behind for the next pass. A zero-bubble B pass defers both uses to W instead
     (their Functions check the store first), which is unchanged.
     """
 
-    __slots__ = ("grad",)
+    __slots__ = ("grad", "pending")
 
     def __init__(self) -> None:
         self.grad: torch.Tensor | None = None
+        self.pending: Callable[[], torch.Tensor] | None = None  # a deferred weight-gradient GEMM
 
     def put(self, grad: torch.Tensor) -> None:
         """File a use's weight gradient (a second one is added in place)."""
         self.grad = grad if self.grad is None else self.grad.add_(grad)
 
+    def file(self, gemm: Callable[[], torch.Tensor], kept_numel: int, table_numel: int) -> None:
+        """File the weight gradient ``gemm`` computes: run later by :meth:`take` where the ``kept_numel``
+        elements its closure holds are fewer than the table's, else now."""
+        if kept_numel < table_numel and self.pending is None:
+            self.pending = gemm
+        else:
+            self.put(gemm())
+
     def take(self) -> torch.Tensor | None:
         """The filed gradient, handed over: this object keeps no reference (so autograd can steal it)."""
+        if self.pending is not None:
+            gemm, self.pending = self.pending, None
+            self.put(gemm())
         grad, self.grad = self.grad, None
         return grad
 
