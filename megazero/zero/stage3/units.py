@@ -10,8 +10,9 @@ ends of the chunk). A parameter listed in ``isolate`` gets a root unit of its ow
 DP group depends on nothing else (the tied embedding's two pipeline copies must be partitioned alike). So does a
 chunk's own parameter larger than its largest block (GPT-2 124M's token embedding, 5.5 blocks): alone in its unit
 (unpadded where its size divides evenly), its gradient is reduce-scattered straight from its ``.grad``, where a
-unit shared with the position table copied it into a staging buffer of the unit's size first (at 124M a fresh
-157 MB per rank and step, faulted in).
+unit shared with the position table copied it into a staging buffer of the unit's size first (at 124M with
+seq 1024, whose position table is sharded, a fresh 157 MB per rank and step, faulted in; at seq 32 the table
+stays whole and the embedding was alone already).
 
 Each unit's parameters form one :class:`~megazero.zero.bucketed.FlatLayout` over the DP group.
 """
