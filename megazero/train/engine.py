@@ -73,7 +73,7 @@ class Engine:
                                          split=self.split_backward, schedule=self.schedule)
         self.activation_peak_bytes = 0  # most saved-activation bytes held at once, over all steps
         self.step = 0  # optimizer steps taken
-        device_io.release_free_memory(self.device)  # construction's temporaries (device_io's docstring)
+        device_io.release_free_memory(self.device)  # CUDA blocks cached during construction (device_io)
 
     @property
     def padded_vocab_size(self) -> int:
