@@ -155,18 +155,23 @@ def mapped(numel: int, dtype: torch.dtype) -> torch.Tensor:
     construction's fp32 copy of a ZeRO-3 unit too large for a slot. The heap would keep such a block resident
     under whatever is allocated after it, and glibc heap-allocates blocks up to 32 MiB once its dynamic mmap
     threshold has risen."""
-    buf = mmap.mmap(-1, max(1, numel * dtype.itemsize), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if numel == 0:  # (frombuffer refuses a count of 0)
+        return torch.empty(0, dtype=dtype)
+    buf = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(buf, dtype=dtype, count=numel)  # holds the mapping until the storage dies
 
 
 def release_free_memory(device: torch.device) -> None:
     """Hand CUDA's cached blocks back once, after construction (``empty_cache``; nothing on other devices).
 
-    On the host there is nothing to hand back and nothing is trimmed: construction writes each parameter's
-    initial value straight into the buffer that keeps it (:mod:`megazero.model.init`), so it leaves no freed
-    heap behind live allocations with glibc's defaults (bench/README.md, "ZeRO's process peak";
-    tests/test_zero_rss.py counts the bytes construction frees). Buffers used again and again are allocated
-    once (ZeRO-3's slots), so this is not needed per step either."""
+    On the host nothing is trimmed: where this rank holds whole tensors (tp 1, replicated parameters) at stages
+    0-3 in fp32 and stages 0-2 in bf16, construction writes each parameter's initial value straight into the buffer
+    that keeps it (:mod:`megazero.model.init`), so it leaves no freed heap behind live allocations with glibc's
+    defaults (bench/README.md, "ZeRO's process peak"; tests/test_zero_rss.py counts the bytes construction
+    frees). Not yet so: under tp > 1 each value is drawn whole and sliced, and at stage 3 in a 16-bit dtype each
+    unit's fp32 start is cloned and then copied into the master, so about 4Ψ/N_d bytes are freed after
+    construction there. Buffers used again and again are allocated once (ZeRO-3's slots), so nothing is needed
+    per step."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
 

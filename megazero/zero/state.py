@@ -62,6 +62,7 @@ class OwnedState:
             self.master = inits[0].as_strided((self.numel,), (1,), 0)  # becomes the master: nothing copied or freed
             for s in segs:
                 s.init = None
+            self.pieces = [(0, self.numel, self.master)]
         elif separate_master:  # an fp32 master copy of the owned partition (from the fp32 model)
             self.master = fp32(zero=False)
             for s, a in zip(segs, self.starts):

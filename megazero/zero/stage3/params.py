@@ -144,7 +144,7 @@ class Stage3Params:
 
     def _slot_bytes(self, specs, layouts: list[FlatLayout]) -> int:
         """The pool's slot: the most bytes a block unit needs at once for one buffer (gathered, staged, or one
-        converted reduction chunk); a chunk's own units are allocated per use (:mod:`.slots`)."""
+        converted reduction chunk); a chunk's own units are allocated at their own size (:mod:`.slots`)."""
         size, need = self.dp_group.size, 0
         for spec, lay in zip(specs, layouts):
             if not spec.is_root:
