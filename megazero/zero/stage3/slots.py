@@ -14,11 +14,11 @@ Slots are ``slot_bytes`` each (the largest block unit's need, set by the store) 
 their buffers all have that size, so nothing is rounded up. A chunk's own units (embeddings, final norm) differ
 in size from a block, larger or much smaller, and are gathered twice per micro-batch: they are not lent a slot
 (that would hold a block's bytes for a LayerNorm, and the estimator's peak would no longer be the tracker's) but
-allocated at their own size, once per micro-batch where they can be parked (below). Slots are created when none is idle, so the pool grows to the most borrowed at once
-(the buffers a step held at that moment anyway). Once a backward has made its last gather the pool is drained
-(:meth:`SlotPool.drain`): its idle slots would otherwise sit beside the tied embedding's gradients at the end of
-backward and the optimizer step; the next pass fills it again, a few allocations per pass instead of one per
-use. Without ``_swap_data_ptr_`` (older torch) gathers fall back to ``resize_``.
+allocated at their own size, once per micro-batch where they can be parked (below). Slots are created when none
+is idle, so the pool grows to the most borrowed at once (the buffers a step held at that moment anyway). Once a
+backward has made its last gather the pool is drained (:meth:`SlotPool.drain`): its idle slots would otherwise sit
+beside the tied embedding's gradients at the end of backward and the optimizer step; the next pass fills it
+again, a few allocations per pass instead of one per use. Without ``_swap_data_ptr_`` (older torch) gathers fall back to ``resize_``.
 
 Parking. Where a rank runs one model chunk, a chunk's own units released at the end of a forward that built a
 graph are not freed: their memory is swapped into a holder (:meth:`SlotPool.park`) and swapped back by the
