@@ -18,7 +18,8 @@ allocated at their own size, once per micro-batch where they can be parked (belo
 is idle, so the pool grows to the most borrowed at once (the buffers a step held at that moment anyway). Once a
 backward has made its last gather the pool is drained (:meth:`SlotPool.drain`): its idle slots would otherwise sit
 beside the tied embedding's gradients at the end of backward and the optimizer step; the next pass fills it
-again, a few allocations per pass instead of one per use. Without ``_swap_data_ptr_`` (older torch) gathers fall back to ``resize_``.
+again, a few allocations per pass instead of one per use. Without ``_swap_data_ptr_`` (older torch) gathers fall
+back to ``resize_``.
 
 Parking. Where a rank runs one model chunk, a chunk's own units released at the end of a forward that built a
 graph are not freed: their memory is swapped into a holder (:meth:`SlotPool.park`) and swapped back by the
