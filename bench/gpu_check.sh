@@ -13,11 +13,11 @@
 #   env       GPU, driver, python, torch, CUDA, triton, cores, host memory
 #   gpt2-124m, gpt2-1.3b, llama-3.2-1b
 #             bench/gpu.py: megazero against a plain compiled PyTorch model of the same shapes, same run
-#   pytest    pytest -m gpu: the GPU-marked tests plus every test skipped for want of CUDA (tests/conftest.py)
-#   profile   bench/gpu_profile.py at gpt2-124m: kernels per step, GPU-busy fraction, top 10 kernels
 #   offload   bench/gpu.py --offload optimizer on a 4 x 4096 GPT (1.0B), 64 sequences of 1024 per step (8 x 8
 #             accumulated): compute / copy to host / host Adam; offload-dpu: the same with the one-step
 #             delayed update (the host Adam of step t beside the device's step t+1) after 1 synchronous step
+#   pytest    pytest -m gpu: the GPU-marked tests plus every test skipped for want of CUDA (tests/conftest.py)
+#   profile   bench/gpu_profile.py at gpt2-124m: kernels per step, GPU-busy fraction, top 10 kernels
 #   summary   bench/gpu_summary.py (standard library only): the table, printed last
 # OUTDIR receives at most 8 files: check.log (every step's output), pytest.xml, one JSON per bench step
 # (gpt2-124m.json, gpt2-1.3b.json, llama-3.2-1b.json, profile.json, offload.json, offload-dpu.json).
@@ -116,9 +116,6 @@ for spec in "${BENCH[@]}"; do
     step "$model" 100 8 "$PY" bench/gpu.py --model "$model" --micro-batch-size "$micro" --seq-len "$seq" \
         "${COMMON[@]}" --json "$OUT/$model.json"
 done
-step pytest 170 15 "$PY" -m pytest -q -m gpu -p no:cacheprovider -o timeout=150 --continue-on-collection-errors \
-    --junitxml="$OUT/pytest.xml" "${TESTS[@]}"
-step profile 50 14 "$PY" bench/gpu_profile.py "${PROFILE[@]}" --json "$OUT/profile.json"
 if [[ $DEVICE == cpu ]]; then
     step offload 60 3 "$PY" bench/gpu.py --offload optimizer --device cpu --no-compile --warmup 1 --steps 2 \
         --micro-batch-size 2 --global-batch-size 4 --json "$OUT/offload.json"
@@ -131,6 +128,9 @@ else
     step offload-dpu 75 3 "$PY" bench/gpu.py --offload optimizer --offload-layers 4 --offload-delayed-update 1 \
         --no-compile --warmup 2 --steps 3 --micro-batch-size 8 --global-batch-size 64 --json "$OUT/offload-dpu.json"
 fi
+step pytest 170 15 "$PY" -m pytest -q -m gpu -p no:cacheprovider -o timeout=150 --continue-on-collection-errors \
+    --junitxml="$OUT/pytest.xml" "${TESTS[@]}"
+step profile 50 14 "$PY" bench/gpu_profile.py "${PROFILE[@]}" --json "$OUT/profile.json"
 echo "== total $((SECONDS - START)) s of a $BUDGET s budget; OUTDIR $OUT: $(ls "$OUT" | tr '\n' ' ')" | tee -a "$LOG"
 "$PY" bench/gpu_summary.py "$OUT" --status "$STATUS" --models "${MODELS[@]}" 2>&1 | tee -a "$LOG"
 rm -rf "$TMPD"

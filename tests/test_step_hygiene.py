@@ -169,7 +169,8 @@ def _read_after_update(ctx, cache: str) -> dict[str, tuple[int, int]]:
             device_io.read = read
         names = mode.names
         adam = next(i for i, n in enumerate(names) if n.startswith("_fused_adam"))
-        out[name] = (adam, names.index("HOST_READ"), names.count("HOST_READ"))
+        # the marked read is the only one: no .item() / float(t) / bool(t) hidden elsewhere in the step
+        out[name] = (adam, names.index("HOST_READ"), names.count("HOST_READ") + names.count("_local_scalar_dense"))
     return out
 
 

@@ -165,7 +165,9 @@ class Engine:
         if on_device:  # clip and skip decided on the device: the update is issued before the read, not after it
             opt.launch_step(lr, sq_norm_t)
         # the step's one read from the device: loss, squared gradient norm and token count together
-        loss, sq_norm, n_tokens = device_io.read(torch.stack([loss_t, sq_norm_t.to(loss_t.dtype), tokens]))
+        # (in fp64: launch_step's skip came from the fp64 norm, whose square may pass fp32's range)
+        values = torch.stack([loss_t.double(), sq_norm_t.double(), tokens.double()])
+        loss, sq_norm, n_tokens = device_io.read(values)
         step_stats = opt.settle_step(sq_norm) if on_device else opt.finish_step(lr, sq_norm)
         self.ctx.ledger.mark_step()
         self.step += 1

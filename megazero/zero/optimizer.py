@@ -140,7 +140,7 @@ class ZeroOptimizer:
         # pipeline's embedding group is not used (the second copy is left out of the norm by norm_counted).
         self.tied_pairs = local_tied_pairs(self._tied_segments, tied_params) if tied_group is None else []
         self._comm_device = dp_group.device  # where the norm collectives run (the device even under offload)
-        self._grads: OwnedGrads | None = None  # this step's owned gradients, prepare_step -> finish_step
+        self._grads: OwnedGrads | None = None  # this step's owned gradients, prepare_step -> finish/launch_step
         self.offload = zero_cfg.offload_optimizer == "cpu"
         pin = zero_cfg.offload_optimizer_pin_memory and torch.cuda.is_available()
         delayed = zero_cfg.offload_delayed_update_after if zero_cfg.offload_delayed_update else None  # (resolve: offload)
@@ -268,7 +268,8 @@ class ZeroOptimizer:
         return the global squared gradient norm (still loss-scaled under fp16) as a 0-dim fp64 device tensor.
 
         Nothing is read back to the host: the caller fetches this value together with anything else it needs
-        (the loss) in one read, then calls :meth:`finish_step`.
+        (the loss) in one read, then calls :meth:`finish_step` (or, where :attr:`steps_on_device`, calls
+        :meth:`launch_step` before the read and :meth:`settle_step` after it).
         """
         self.store.reduce_gradients()
         if self.tied_group is not None:
