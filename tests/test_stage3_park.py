@@ -95,6 +95,7 @@ def test_own_units_are_parked_and_the_embedding_is_reduced_from_its_grad():
         assert b_ptr == f_ptr, r["fills"]
         assert r["between"] == {"storage_bytes": 0, "parked": True, "held_at_forward_ptr": r["full_bytes"]}, r
         assert r["after"]["parked"] is False, r
+        assert r["after"]["held"] < r["full_bytes"], r  # its memory is not held once backward released it
         assert r["wte_unit"] == 1, r  # the token embedding apart from the position table and final norm
         assert r["grads"][0] in r["reduced"], (r["grads"], r["reduced"])  # reduced from autograd's own tensor
         on, off = r["peaks"][True], r["peaks"][False]
