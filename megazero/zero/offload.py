@@ -18,9 +18,9 @@ GPU is present, so the copies below are asynchronous). A step runs over sub-grou
    ``adam_update_copy``), moving 2 bytes per element for one more pass over host memory. Off by default until
    a GPU run says which costs less.
 
-The arithmetic is the non-overlapped step's, so the result is the same bit for bit (tests/test_offload.py). In fp32 the device
-parameters need a separate host master copy (:class:`~megazero.zero.state.OwnedState` keeps one whenever
-offload is on). ``offload_param: {device: cpu}`` (stage 3) is the store's part: :mod:`.stage3` keeps the
+The arithmetic is the non-overlapped step's, so the result is the same bit for bit (tests/test_offload.py). In
+fp32 the device parameters need a separate host master copy (:class:`~megazero.zero.state.OwnedState` keeps one
+whenever offload is on). ``offload_param: {device: cpu}`` (stage 3) is the store's part: :mod:`.stage3` keeps the
 parameter shards in host memory and moves each to the device just before its all-gather. With both, Adam runs
 here and writes the host shards. With ``offload_param`` alone, the optimizer's states stay on the device: the
 fp32 master (kept apart from the host shards even in fp32), the moments and the gradients are all device
@@ -49,8 +49,8 @@ at the end of step t + 1. The exact semantics, with θ_t the master after step t
   warm-up steps); a skipped step (non-finite norm, an fp16 overflow: the norm is known before the update is
   launched) launches nothing, and the pending update still lands at its end (the optimizer flushes).
 * The update a thread runs is the optimizer's own closure (``update``), the same arithmetic as the synchronous
-  step; it reads the optimizer's step count and step tensor, which change only after :meth:`begin_step` joined
-  it.
+  step, with the step count bound when it was made; the step tensor it reads is filled again only after
+  :meth:`begin_step` joined it.
 * :meth:`land` without a launch is the flush (``ZeroOptimizer.flush``): the loop calls it before an evaluation,
   samples, a checkpoint and at the end, and the optimizer's state reads (``owned_state``, ``master_params``,
   the gathered walks) call it too, so a checkpoint holds the parameters and moments of one step. After a flush the

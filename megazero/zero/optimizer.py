@@ -407,10 +407,11 @@ class ZeroOptimizer:
         if self._step_tensor is None:  # Adam's step for the fused kernel: one tensor beside the moments, kept
             self._step_tensor = torch.zeros((), dtype=torch.float32, device=self.state.exp_avg.device)
         self._step_tensor.fill_(float(self.step_count))  # one fill per step (no host copy), whatever the runs
+        step, step_tensor = self.step_count, self._step_tensor  # bound now: offload's delayed update runs later
 
         def update(p: torch.Tensor, lo: int, hi: int) -> None:  # owned elements [lo, hi), held in ``p``
-            adam_update(p, g, lr, lo, hi, cfg=self.opt_cfg, step=self.step_count, decay_runs=self._decay_runs,
-                        exp_avg=self.state.exp_avg, exp_avg_sq=self.state.exp_avg_sq, step_tensor=self._step_tensor,
+            adam_update(p, g, lr, lo, hi, cfg=self.opt_cfg, step=step, decay_runs=self._decay_runs,
+                        exp_avg=self.state.exp_avg, exp_avg_sq=self.state.exp_avg_sq, step_tensor=step_tensor,
                         found_inf=found_inf)
 
         master = self.state.master
