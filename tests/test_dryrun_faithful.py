@@ -41,10 +41,15 @@ from megazero.distributed.context import RankGrid
 from megazero.plan.role import rank_roles, run_role
 from tests.dist import run_world
 
-# of the real peak, on activations + other and on the total (the model-state categories are exact). Measured:
-# the dry run equals the real run or exceeds it by a few hundred bytes (bf16: CPU's layer norm keeps its
-# statistics in bf16, meta and CUDA in fp32), and the real gloo run, under load, now and then peaks one
-# transient activation higher on one rank (+16 KiB of 1.1 MB: a buffer freed a moment later, timing)
+# of the real peak, on activations + other and on the total. Measured: the dry run equals the real run or
+# exceeds it by a few hundred bytes (bf16: CPU's layer norm keeps its statistics in bf16, meta and CUDA in
+# fp32), and the real gloo run, under load, now and then peaks one transient activation higher on one rank
+# (+16 KiB of 1.1 MB). That is a TP all-reduce's output: gloo's worker thread holds the tensor until it drops
+# its work item, which on a loaded machine can come after the main thread has dropped the tensor, so the
+# tensor dies on the worker a few operations later. Such a late transient can also move the real peak to a
+# nearby moment, where a small gradient is not yet allocated (CI: grads 279552 against 279744, other
+# +16384). The model-state categories are exact at the peak, except by at most the real run's transient
+# excess over the dry run's, which is zero unless gloo freed late.
 PEAK_MARGIN = 0.02
 EXACT = ("params", "grads", "master_params", "optimizer_states", "comm_buffers")
 
@@ -171,10 +176,12 @@ def compare(topo: tuple, runs: list[list[str]], real: list) -> list[str]:
                                                              f"{breakdown.get(key)}" for key in keys
                                                              if dry.breakdown.get(key) != breakdown.get(key)))
             got = dry.peak_by_category
-            for cat in EXACT:
-                if got[cat] != by_cat[cat]:
-                    diffs.append(f"{where}: peak {cat} dry {got[cat]} real {by_cat[cat]}")
             transient = (got["activations"] + got["other"], by_cat["activations"] + by_cat["other"])
+            late = max(0, transient[1] - transient[0])  # a buffer gloo's worker freed late (PEAK_MARGIN)
+            for cat in EXACT:
+                if abs(got[cat] - by_cat[cat]) > late:
+                    diffs.append(f"{where}: peak {cat} dry {got[cat]} real {by_cat[cat]}"
+                                 + (f" (real transient {late} above the dry run's)" if late else ""))
             if abs(transient[0] - transient[1]) > PEAK_MARGIN * peak:
                 diffs.append(f"{where}: peak activations + other dry {transient[0]} real {transient[1]} (peak {peak})")
             if abs(dry.peak_bytes - peak) > PEAK_MARGIN * peak:
