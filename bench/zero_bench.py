@@ -13,7 +13,8 @@ only, identical everywhere), gradient clipping at the same global norm, in fp32,
   ``stage3_param_persistence_threshold`` 0, i.e. every parameter sharded, as FSDP2 does; ``mz3-nopark`` (not
   run by default) is stage 3 with the parking of its chunk's own units turned off, ``mz3-whole`` with a chunk's
   own parameters in one unit however large (``units.collect_units(apart_larger=False)``), ``mz3-before`` with
-  neither change (as before issue 31 item 3), for A/Bs in one run.
+  neither change (as before issue 31 item 3), ``mz3-nocarry`` with ``stage3_max_reuse_distance`` 0 (a chunk's
+  own units gathered again in backward: no carry, ``zero/stage3/gather.py``), for A/Bs in one run.
   ``engine0`` .. ``engine3`` (not run by default) go through :class:`megazero.train.engine.Engine` instead, the
   production step (token count and loss all-reduces, activation accounting).
 * ``ddp``: ``DistributedDataParallel`` + ``torch.optim.AdamW`` + ``clip_grad_norm_``.
@@ -99,6 +100,7 @@ CONTENDERS = {c.name: c for c in [
     *[Contender(f"mz{s}", f"megazero ZeRO-{s}", "megazero", s) for s in range(4)],
     Contender("mz3-p0", "megazero ZeRO-3, persistence 0", "megazero", 3, {"stage3_param_persistence_threshold": 0}),
     Contender("mz3-nopark", "megazero ZeRO-3, no parking", "megazero", 3, parking=False),
+    Contender("mz3-nocarry", "megazero ZeRO-3, no reuse", "megazero", 3, {"stage3_max_reuse_distance": 0}),
     Contender("mz3-whole", "megazero ZeRO-3, own parameters in one unit", "megazero", 3, apart_larger=False),
     Contender("mz3-before", "megazero ZeRO-3, neither", "megazero", 3, parking=False, apart_larger=False),
     *[Contender(f"engine{s}", f"megazero Engine ZeRO-{s}", "engine", s) for s in range(4)],

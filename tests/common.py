@@ -60,6 +60,13 @@ def dp_volumes(ctx, engine, micro_batches: int, steps: int = 2, shape: tuple[int
     return volumes
 
 
+def outside_blocks(chunks) -> int:
+    """Elements of the parameters outside the transformer blocks (embeddings, final norm, an untied output
+    layer), counted on the model: what ZeRO-3's own units of a chunk hold, gathered once per micro-batch where a
+    rank runs one chunk (``zero/stage3/gather.py``, "Carry")."""
+    return sum(p.numel() for c in chunks for n, p in c.named_parameters() if not n.startswith("blocks."))
+
+
 def merge_runs(results: list) -> list[tuple[list[float], dict]]:
     """Per run: rank 0's losses and the whole model's state merged over pipeline stages (first copy wins)."""
     merged = []

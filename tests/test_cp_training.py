@@ -35,7 +35,14 @@ from megazero.context_parallel import CP_ATTENTION_MODES
 from megazero.distributed.context import ParallelContext, RankGrid
 from megazero.distributed.ledger import VOLUME_TAGS
 from megazero.train.engine import Engine
-from tests.common import SMALL_FLAGS, assert_matches_reference, dp_volumes, merge_runs, train_runs
+from tests.common import (
+    SMALL_FLAGS,
+    assert_matches_reference,
+    dp_volumes,
+    merge_runs,
+    outside_blocks,
+    train_runs,
+)
 from tests.dist import run_world
 from tests.reference import LLAMA as LLAMA_SPEC
 from tests.reference import RefSpec, run_reference
@@ -211,25 +218,26 @@ def _cp2_dp2(ctx, cache: str, log_dir: str) -> dict:
         groups = {g for (g, _op, tag) in ctx.ledger.last_step() if tag in VOLUME_TAGS}
         owned = sum(v["master"].numel() for _, _, v in engine.optimizer.owned_state())
         psi = sum(p.numel() for c in engine.chunks for p in c.parameters())
-        out["ledger"][stage] = (volumes, engine.optimizer.padded_numel(), psi, groups, owned)
+        out["ledger"][stage] = (volumes, engine.optimizer.padded_numel(), psi, groups, owned,
+                                outside_blocks(engine.chunks))
     return out
 
 
 def test_cp2_dp2_zero_1_and_3_and_the_ledger_over_dp_x_cp(data_cache, single, tmp_path):
     """ZeRO 1 and 3 over DP x CP match one process. The ledger counts ZeRO's traffic on the "dp_cp" group (none
-    on "dp"), per rank and step with m = 2 micro-batches: 2Ψ at stages 0-1, (m + 1)Ψ at stage 2, 3mΨ at stage 3,
-    Ψ padded to a multiple of Nd = dp·cp = 4; and at stages 1-3 the four ranks own disjoint runs that add up to
+    on "dp"), per rank and step with m = 2 micro-batches: 2Ψ at stages 0-1, (m + 1)Ψ at stage 2, 3mΨ - mΨ_own at
+    stage 3 (the embeddings and final norm, outside the blocks, are gathered once per micro-batch), Ψ padded to a multiple of Nd = dp·cp = 4; and at stages 1-3 the four ranks own disjoint runs that add up to
     Ψ, at most Ψ/Nd each (stage 0: each owns all of Ψ)."""
     results = run_world(_cp2_dp2, 4, data_cache, str(tmp_path), cp=2)
     _check(merge_runs([r["runs"] for r in results]), [single["three"]] * 2, ["ZeRO 1", "ZeRO 3"])
     m, nd = 2, 4
     for stage in (0, 1, 2, 3):
         per_rank = [r["ledger"][stage] for r in results]
-        volumes, padded, psi, groups, _ = per_rank[0]
+        volumes, padded, psi, groups, _, psi_own = per_rank[0]
         w, g = padded["whole"], padded["gathered"]
-        want = {0: 2 * w, 1: 2 * w, 2: (m + 1) * w, 3: 3 * m * g}[stage]
+        want = {0: 2 * w, 1: 2 * w, 2: (m + 1) * w, 3: 3 * m * g - m * padded["own"]}[stage]
         assert volumes == [want, want], (stage, volumes, want)
-        paper = {0: 2, 1: 2, 2: m + 1, 3: 3 * m}[stage] * psi
+        paper = {0: 2, 1: 2, 2: m + 1, 3: 3 * m}[stage] * psi - (m * psi_own if stage == 3 else 0)
         assert abs(want - paper) / paper < 0.01, (stage, want, paper)  # only padding separates them
         assert groups == {"dp_cp"}, (stage, groups)
         owned = [r[4] for r in per_rank]

@@ -10,7 +10,7 @@ from megazero.config.schema import ConfigError
 from megazero.pipeline.partition import PipelineLayoutError, partition_layers, stage_specs
 from megazero.pipeline.schedules import ScheduleError, build_schedule, simulate
 from megazero.train.engine import Engine
-from tests.common import assert_matches_reference, dp_volumes, merge_runs, train_eval_runs
+from tests.common import assert_matches_reference, dp_volumes, merge_runs, outside_blocks, train_eval_runs
 from tests.dist import run_world
 from tests.reference import RefSpec, run_reference
 
@@ -176,7 +176,7 @@ def _dp_volume(ctx, cache: str):
             engine = Engine(cfg, ctx)
             volumes = dp_volumes(ctx, engine, m)
             psi = sum(p.numel() for c in engine.chunks for p in c.parameters())
-            out[(stage, m)] = (volumes, engine.optimizer.padded_numel(), psi)
+            out[(stage, m)] = (volumes, engine.optimizer.padded_numel(), psi, outside_blocks(engine.chunks))
     for stage in (1, 2):  # interleaved, 2 chunks per rank, m = 2: each backward reduces only its own chunk
         cfg = parse_args([*PP_MODEL, "--pp", "2", "--pp-schedule", "interleaved", "--virtual-stages", "2",
                           "--zero-stage", str(stage), "--micro-batch-size", "2", "--global-batch-size",
@@ -185,20 +185,22 @@ def _dp_volume(ctx, cache: str):
         engine = Engine(cfg, ctx)
         volumes = dp_volumes(ctx, engine, 2)
         psi = sum(p.numel() for c in engine.chunks for p in c.parameters())
-        out[("interleaved", stage, 2)] = (volumes, engine.optimizer.padded_numel(), psi)
+        out[("interleaved", stage, 2)] = (volumes, engine.optimizer.padded_numel(), psi, 0)
     return out
 
 
 def test_dp_volume_per_stage_with_micro_batches_matches_the_formula(data_cache):
     """With pipelining each stage's DP traffic follows its ZeRO formula in m on that stage's own Ψ_r:
     stages 0-1 2Ψ, stage 2 (m + 1)Ψ (reduce-scatter every micro-batch), stage 3 3mΨ (gather in forward and
-    backward, reduce-scatter gradients, every micro-batch). Under the interleaved schedule (2 chunks per rank)
+    backward, reduce-scatter gradients, every micro-batch) less mΨ_own: under 1F1B a rank runs one chunk, whose
+    own units (embeddings on the first stage, final norm and tied embedding on the last) are gathered once per
+    micro-batch. Under the interleaved schedule (2 chunks per rank)
     stages 1-2 too: a chunk's backward reduces only that chunk's buckets."""
     for rank_result in run_world(_dp_volume, 4, data_cache, pp=2):
-        for key, (volumes, padded, psi) in rank_result.items():
+        for key, (volumes, padded, psi, psi_own) in rank_result.items():
             stage, m = key[-2:]  # ("interleaved", stage, m): v = 2 chunks per rank, still (m + 1)Ψ, not (mv + 1)Ψ
             w, g = padded["whole"], padded["gathered"]
-            want = {0: 2 * w, 1: 2 * w, 2: (m + 1) * w, 3: 3 * m * g}[stage]
+            want = {0: 2 * w, 1: 2 * w, 2: (m + 1) * w, 3: 3 * m * g - m * padded["own"]}[stage]
             assert volumes == [want, want], (stage, m, volumes, want)
-            paper = {0: 2, 1: 2, 2: m + 1, 3: 3 * m}[stage] * psi
+            paper = {0: 2, 1: 2, 2: m + 1, 3: 3 * m}[stage] * psi - (m * psi_own if stage == 3 else 0)
             assert abs(want - paper) / paper < 0.01, (stage, m, want, paper)  # only padding separates them

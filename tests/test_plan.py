@@ -87,6 +87,8 @@ def test_dp_volume_matches_the_design_formulas():
     assert sum(dp_volume(1, psi, m)) == 2 * psi
     assert sum(dp_volume(2, psi, m)) == (m + 1) * psi
     assert sum(dp_volume(3, psi, m)) == 3 * m * psi
+    # a chunk's own units (here 100 elements) are gathered once per micro-batch where a rank runs one chunk
+    assert sum(dp_volume(3, psi, m, 100.0)) == 3 * m * psi - m * 100
 
 
 def test_evaluate_states_follow_the_estimator():

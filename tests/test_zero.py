@@ -23,6 +23,7 @@ from megazero.zero.bucketed import storage_bytes
 from megazero.zero.norm import NonFiniteGradientError
 from megazero.zero.stage3.params import GatherOrderError
 from tests import launch
+from tests.common import outside_blocks
 from tests.dist import run_world
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, num_heads=2, seq_len=16, vocab_size=96)  # ~30K parameters
@@ -90,13 +91,15 @@ def expected_volume(run: Run, padded: dict[str, int], dp: int) -> int:
     """Each stage's stated DP volume per step in m, on the padded buffers (whole W, gathered G)."""
     w, g, m = padded["whole"], padded["gathered"], run.m
     r = 1 if run.zero.get("reduce_scatter", True) else 2  # an all-reduce instead of a reduce-scatter: 2x
+    # one chunk: its own units (embeddings, final norm) are gathered once per micro-batch, not twice
+    g_own = padded["own"] if run.zero.get("stage3_max_reuse_distance", 1) > 0 else 0
     if run.stage == 0:
         return 2 * w
     if run.stage == 1:
         return r * w + w
     if run.stage == 2:
         return m * r * w + w
-    return m * (2 + r) * g + (m * r * w + w if w else 0)
+    return m * (2 + r) * g - m * g_own + (m * r * w + w if w else 0)
 
 
 def _model() -> GPT:
@@ -179,6 +182,7 @@ def train(ctx, run: Run, dp_group: Group | None = None, inject: list[bool] | Non
     weights = opt.master_params() if run.model is MODEL else None
     return {**rec, "weights": weights if ctx.rank == 0 else None, "memory": opt.model_state_bytes(),
             "padded": opt.padded_numel(), "psi": psi, "persistent": persistent, "adam_steps": opt.step_count,
+            "psi_own": outside_blocks([model]),
             "skipped_steps": opt.skipped_steps}
 
 
@@ -213,7 +217,7 @@ def stage3_release_check(ctx) -> dict:
     master = opt.master_params()
     with opt.gathered_parameters():
         inside = all(torch.equal(p, master[k]) for k, p in model.named_parameters())
-    return {"units": len(units), "gathers_per_step": gathers, "max_gathered_in_forward": max(live),
+    return {"units": len(units), "own_units": sum(u.is_root for u in units), "gathers_per_step": gathers, "max_gathered_in_forward": max(live),
             "gathered_after_step": sum(u.gathered for u in units), "inside_matches_master": inside,
             "outside_is_nan": bool(torch.isnan(weight).all()) and weight.shape == (4 * 32, 32)}
 
@@ -446,7 +450,8 @@ def test_parity_detects_a_missing_gradient_reduction(reference, world2) -> None:
 def test_dp_volume_matches_stage_formula(dp, world2, world4) -> None:
     """Issue 3, must-show 3: the ledger's DP volume per step is 2Ψ (stages 0-2) and 3Ψ (stage 3) with one
     micro-batch, within padding, and follows each stage's formula in m with accumulation (exactly, counting
-    the padded buffers): stage 0/1 2Ψ, stage 2 (m+1)Ψ, stage 3 3mΨ + (m+1)Ψ_persistent."""
+    the padded buffers): stage 0/1 2Ψ, stage 2 (m+1)Ψ, stage 3 3mΨ - mΨ_own + (m+1)Ψ_persistent (the model's
+    own units, outside the blocks, are gathered once per micro-batch)."""
     for rank_res in {2: world2, 4: world4}[dp]:
         for run in FP32_RUNS + BF16_RUNS:
             got = rank_res[run.name]
@@ -454,7 +459,7 @@ def test_dp_volume_matches_stage_formula(dp, world2, world4) -> None:
             assert got["volumes"] == [want] * STEPS, (run.name, got["volumes"], want)
             paper_case = run.m == 1 and (run.stage < 3 or run.zero == NO_PERSIST)
             if paper_case:  # the paper's figures on the unpadded parameter count
-                paper = (3 if run.stage == 3 else 2) * got["psi"]
+                paper = 3 * got["psi"] - got["psi_own"] if run.stage == 3 else 2 * got["psi"]
                 assert abs(want - paper) / paper < 0.01, (run.name, want, paper)
 
 
@@ -595,13 +600,14 @@ def test_stages_0_1_reduce_during_the_last_micro_batch_into_persistent_buffers(w
 
 
 def test_stage3_gathers_each_unit_once_per_pass_and_releases(world2) -> None:
-    """Without prefetch, each unit (the tied embedding included) is all-gathered exactly once per forward and
-    once per backward; during a submodule's forward only it, the embedding and the root's own parameters are
+    """Without prefetch, each block's unit is all-gathered exactly once per forward and once per backward, the
+    model's own unit (the tied embedding, the position table and the final norm) once per step: its backward
+    finds it parked with the forward's values (zero/stage3/gather.py, "Carry"); during a submodule's forward only it, the embedding and the root's own parameters are
     gathered; after each step nothing is; reads outside the step see NaN placeholders of the right shape and
     real values inside ``gathered_parameters()``."""
     for res in world2:
         got = res["s3-release"]
-        assert got["gathers_per_step"] == [2 * got["units"]] * STEPS
+        assert got["own_units"] == 1 and got["gathers_per_step"] == [2 * got["units"] - 1] * STEPS
         assert got["max_gathered_in_forward"] <= 3
         assert got["gathered_after_step"] == 0
         assert got["outside_is_nan"] and got["inside_matches_master"]
@@ -628,10 +634,12 @@ def test_zero_stages_with_tensor_and_sequence_parallelism(reference) -> None:
 def test_torchrun_memory_per_rank_falls_with_stage(subprocess_env, tmp_path) -> None:
     """Issue 3, must-show 5: ``torchrun --nproc-per-node 4 pretrain/gpt.py --dp 4 --zero-stage S`` in bf16 runs
     for S = 0..3 and metrics.jsonl shows every rank's model-state bytes at the ZeRO formula with fp32
-    gradients (persistence 0) and the DP volume at 2Ψ / 3Ψ."""
+    gradients (persistence 0) and the DP volume at 2Ψ / 3Ψ - Ψ_own (the embeddings and final norm, outside the
+    blocks, gathered once per step)."""
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}}))
     psi = ModelConfig(num_layers=4, hidden_size=128, num_heads=4, seq_len=128, vocab_size=512).num_parameters()
+    psi_own = (512 + 128) * 128 + 2 * 128  # token and position tables, final LayerNorm
     formula = {0: 18 * psi, 1: 6 * psi + 12 * psi / 4, 2: 2 * psi + 16 * psi / 4, 3: 18 * psi / 4}
     for stage in range(4):
         log_dir = tmp_path / f"s{stage}"
@@ -648,5 +656,5 @@ def test_torchrun_memory_per_rank_falls_with_stage(subprocess_env, tmp_path) -> 
                                           "optimizer_states_bytes"))
             assert abs(states - formula[stage]) / formula[stage] < 0.01, (stage, rec)
         for rec in last["comm"]:
-            want = (3 if stage == 3 else 2) * psi
+            want = 3 * psi - psi_own if stage == 3 else 2 * psi
             assert abs(rec["volume_elements_per_step"] - want) / want < 0.01, (stage, rec)

@@ -158,6 +158,7 @@ def _bytes_runs(ctx) -> dict:
         store = eng.optimizer.store
         out[name] = {"link": led.link_bytes_last_step(VOLUME_TAGS), "share": led.node_share_last_step(VOLUME_TAGS),
                      "shards": [u.layout.shard_numel for u in store.units], "held": _held_bytes(eng),
+                     "own_shards": [u.layout.shard_numel for u in store.units if u.is_root],
                      "numel": sum(p.numel() for c in eng.chunks for p in c.parameters())}
     return out
 
@@ -200,18 +201,21 @@ def test_bytes_per_link_equal_the_formulas_at_dp8_on_two_nodes(world8) -> None:
     shards = runs["zero3"]["shards"]
     psi = dp * sum(shards)  # Ψ: the gathered units' elements, padded to equal aligned shards
     assert abs(psi - runs["zero3"]["numel"]) <= 0.01 * runs["zero3"]["numel"]  # Ψ measured from the model, ~1%
+    # the embeddings and final norm: carried from forward to backward, so the backward gathers Ψ - Ψ_own
+    own = dp * sum(runs["zero3"]["own_shards"])
+    assert 0 < own < psi / 3
     w_blocks = [-(-s // WEIGHT_BLOCK) for s in shards]
     qwz = sum(dp * nb * (WEIGHT_BLOCK + 4) for nb in w_blocks)  # INT8 values + fp32 scales: Ψ + s_w
     g_blocks = [-(-s // GRAD_BLOCK) for s in shards]
     qgz_intra = sum(dp * nb * (GRAD_BLOCK // 2 + 4) for nb in g_blocks)  # Ψ/2 INT4 + s_g
     qgz_inter = sum(M * nb * (GRAD_BLOCK // 2 + 4) for nb in g_blocks)  # Ψ/(2L) INT4 + s_g'
     expected = {  # per rank, bytes (16-bit weights and gradients: 2 bytes an element)
-        "zero3": {"inter": 3 * 2 * psi, "intra": 0},  # 3Ψ 16-bit
-        "hpz": {"inter": 2 * 2 * psi, "intra": 2 * psi},  # 2Ψ; the backward gather inside the node
-        "hpz+qwz": {"inter": qwz + 2 * psi, "intra": 2 * psi},  # Ψ + 0.5Ψ (+ scales)
-        "all": {"inter": qwz + qgz_inter, "intra": 2 * psi + qgz_intra},
+        "zero3": {"inter": 3 * 2 * psi - 2 * own, "intra": 0},  # 3Ψ 16-bit (less the carried Ψ_own)
+        "hpz": {"inter": 2 * 2 * psi, "intra": 2 * (psi - own)},  # 2Ψ; the backward gather inside the node
+        "hpz+qwz": {"inter": qwz + 2 * psi, "intra": 2 * (psi - own)},  # Ψ + 0.5Ψ (+ scales)
+        "all": {"inter": qwz + qgz_inter, "intra": 2 * (psi - own) + qgz_intra},
     }
-    node = {"zero3": 6 * psi, "hpz": 4 * psi, "hpz+qwz": qwz + 2 * psi, "all": qwz + L * qgz_inter}
+    node = {"zero3": 6 * psi - 2 * own, "hpz": 4 * psi, "hpz+qwz": qwz + 2 * psi, "all": qwz + L * qgz_inter}
     for name, want in expected.items():
         for rank in range(8):
             assert world8[rank]["bytes"][name]["link"] == want, (name, rank)
@@ -224,7 +228,7 @@ def test_bytes_per_link_equal_the_formulas_at_dp8_on_two_nodes(world8) -> None:
     flags = {"zero3": (False, False, False), "hpz": (True, False, False), "hpz+qwz": (True, True, False),
              "all": (True, True, True)}
     for name, (hpz, qwz, qgz) in flags.items():
-        inter, intra, per_node, _ = zeropp_bytes(psi, 1, L, M, hpz, qwz, qgz, grad_bytes=2)
+        inter, intra, per_node, _ = zeropp_bytes(psi, 1, L, M, hpz, qwz, qgz, grad_bytes=2, own=own)
         assert inter == pytest.approx(expected[name]["inter"], rel=0.05), name
         assert intra == pytest.approx(expected[name]["intra"], rel=0.05), name
         assert per_node == pytest.approx(node[name], rel=0.05), name
@@ -299,6 +303,7 @@ def test_deepspeed_keys_take_effect_and_are_ignored_below_stage_3(tmp_path) -> N
 
 def test_the_planner_ranks_zeropp_settings_on_two_nodes_at_100_gbps() -> None:
     from megazero.config.schema import model_preset
+    from megazero.plan.estimate import rank_parameter_numels
     from megazero.plan.roofline import cluster
     from megazero.plan.search import Layout
     from megazero.plan.zeropp import rank_zeropp, spans_nodes
@@ -310,19 +315,23 @@ def test_the_planner_ranks_zeropp_settings_on_two_nodes_at_100_gbps() -> None:
     order = sorted(ranked, key=lambda n: ranked[n].plan.time.total)
     assert order[0] == "hpz+qwz+qgz" and order[-1] == "zero3", order
     z3, pp = ranked["zero3"], ranked["hpz+qwz+qgz"]
-    psi = z3.inter_bytes / 8  # bf16: 2Ψ + 2Ψ of weights, 4Ψ of fp32 gradients, one micro-batch
+    numels = rank_parameter_numels(model_preset("gpt2-1.3b"))  # Ψ and the embeddings and final norm, Ψ_own
+    psi, own = sum(numels.values()), sum(n for k, n in numels.items() if not k.startswith("blocks.") and n > 100_000)
+    # bf16: 2Ψ + 2(Ψ - Ψ_own) of weights (the own units are gathered once), 4Ψ of fp32 gradients, one micro-batch
+    assert z3.inter_bytes == pytest.approx(8 * psi - 2 * own)
     assert pp.node_inter_bytes / psi == pytest.approx(1 + 4 / 256 + 0.5 + 4 / 128)  # INT8 + INT4, scales included
     assert ranked["hpz"].extra_bytes == pytest.approx(2 * psi / 8)  # the secondary copy over the node's 8 ranks
     assert pp.plan.time.dp_comm < z3.plan.time.dp_comm / 4
     # fp32: 4-byte weights and gradients, the same Ψ: the quantized bytes stay, the 16-bit ones double
     f32 = {z.name: z for z in rank_zeropp(model_preset("gpt2-1.3b"), lay, 32, c, precision="fp32")}
-    assert f32["zero3"].inter_bytes == pytest.approx(12 * psi)
+    assert f32["zero3"].inter_bytes == pytest.approx(12 * psi - 4 * own)
     assert f32["hpz+qwz+qgz"].node_inter_bytes == pytest.approx(pp.node_inter_bytes)
     assert f32["hpz"].extra_bytes == pytest.approx(4 * psi / 8)
 
 
 def test_the_dry_run_shows_zero_bytes_per_link() -> None:
     from megazero.plan.dryrun import dry_run, format_report
+    from megazero.plan.estimate import rank_parameter_numels
     from megazero.plan.roofline import cluster
 
     cfg = parse_args([*FLAGS, "--dp", "16", "--micro-batch-size", "1", "--global-batch-size", "16", "--precision",
@@ -330,6 +339,10 @@ def test_the_dry_run_shows_zero_bytes_per_link() -> None:
     cfg = replace(cfg, zero=replace(cfg.zero, stage3_param_persistence_threshold=0)).resolve(16, device_type="cuda")
     rep = dry_run(cfg, cluster("h100", 8))  # nodes of 8: the cluster's, as no --ranks-per-node is given
     link = rep.roles[0].link_bytes
-    # intra: hpZ's backward gather, 2Ψ; inter: the INT8 forward gather Ψ (+ scales, block padding) and fp32 gradients 4Ψ
-    assert 0.99 * (1 + 4 / 256 + 4) / 2 < link["inter"] / link["intra"] < 1.03 * (1 + 4 / 256 + 4) / 2
+    numels = rank_parameter_numels(cfg.model)
+    carried = sum(numels.values()) / sum(n for k, n in numels.items() if k.startswith("blocks."))  # Ψ / (Ψ - Ψ_own)
+    # intra: hpZ's backward gather, 2(Ψ - Ψ_own); inter: the INT8 forward gather Ψ (+ scales, block padding) and
+    # fp32 gradients 4Ψ
+    want = (1 + 4 / 256 + 4) / 2 * carried
+    assert 0.99 * want < link["inter"] / link["intra"] < 1.03 * want
     assert "DP inter MB" in format_report(rep)

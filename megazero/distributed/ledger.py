@@ -123,8 +123,9 @@ class CommLedger:
         micro-batch, with Ψ padded to a multiple of Nd = dp·cp (the ZeRO group's node subgroups, "dp.intra",
         "dp.inter", "dp.hpz", count as the group): 2Ψ at stages 0-2 (reduce-scatter Ψ + all-gather
         Ψ, or an all-reduce), 3Ψ at stage 3 (gather in forward and in backward, reduce-scatter); with m
-        micro-batches (m + 1)Ψ at stage 2 and 3mΨ at stage 3. The per-rank figure does not fall with Nd; what
-        falls is each rank's shard, Ψ/Nd."""
+        micro-batches (m + 1)Ψ at stage 2 and 3mΨ at stage 3, less mΨ_own where a rank runs one chunk (its
+        embeddings, final norm and output layer are gathered once per micro-batch: ``zero/stage3/gather.py``,
+        "Carry"). The per-rank figure does not fall with Nd; what falls is each rank's shard, Ψ/Nd."""
         return sum(v for (g, _op, tag), v in self._last_step.items()
                    if g.split(".")[0] in ZERO_GROUPS and tag in VOLUME_TAGS)
 

@@ -39,7 +39,8 @@ from megazero.plan.estimate import (
 from megazero.plan.roofline import Cluster, StepTime, group_nodes, mfu, ring_kv_bytes, step_time
 from megazero.zero.grads import grad_dtype_for
 
-__all__ = ["CP_MIN_SEQ_LEN", "Layout", "Plan", "dp_volume", "evaluate", "layouts", "search", "torchrun_command"]
+__all__ = ["CP_MIN_SEQ_LEN", "Layout", "Plan", "dp_volume", "evaluate", "layouts", "rank_dp_numels", "search",
+           "torchrun_command"]
 
 CP_MIN_SEQ_LEN = 8192  # sequences this long are also tried split over a CP group
 
@@ -107,15 +108,17 @@ class Plan:
     cp_bytes: float = 0.0  # per rank and step: the ring's K/V and dK/dV
 
 
-def dp_volume(stage: int, psi: float, micro_batches: int) -> tuple[float, float]:
+def dp_volume(stage: int, psi: float, micro_batches: int, carried: float = 0.0) -> tuple[float, float]:
     """(gradient, parameter) elements one rank moves over DP per step (the ledger's logical counts).
 
     Stage 0: one all-reduce of the gradient (2Ψ). Stage 1: reduce-scatter Ψ, all-gather of the updated
     parameters Ψ. Stage 2 reduces every micro-batch: mΨ, plus the all-gather Ψ. Stage 3 gathers in forward and
-    backward and reduce-scatters per micro-batch: mΨ of gradients, 2mΨ of parameters.
+    backward and reduce-scatters per micro-batch: mΨ of gradients, 2mΨ of parameters, less m·``carried``: the
+    elements of a chunk's own units (embeddings, final norm, output layer), which a rank running one chunk
+    gathers once per micro-batch (:mod:`megazero.zero.stage3.gather`, "Carry").
     """
     m = micro_batches
-    return {0: (2 * psi, 0.0), 1: (psi, psi), 2: (m * psi, psi), 3: (m * psi, 2 * m * psi)}[stage]
+    return {0: (2 * psi, 0.0), 1: (psi, psi), 2: (m * psi, psi), 3: (m * psi, m * (2 * psi - carried))}[stage]
 
 
 def _tp_elements(model: ModelConfig, lay: Layout, layers: int, first: bool, last: bool, m: int) -> float:
@@ -132,6 +135,24 @@ def _tp_elements(model: ModelConfig, lay: Layout, layers: int, first: bool, last
 @lru_cache(maxsize=4096)
 def _numels(model: ModelConfig, tp: int, pp: int, rank: int, v: int, schedule: str) -> tuple[int, ...]:
     return tuple(rank_parameter_numels(model, tp, pp, rank, virtual_stages=v, schedule=schedule).values())
+
+
+def rank_dp_numels(model: ModelConfig, lay: Layout, persistence_threshold: int = 100_000) -> tuple[float, float]:
+    """(Ψ_r, Ψ_own) of the pipeline rank with the most parameters: its elements, and of them those of its ZeRO-3
+    own units (0 where a rank runs several chunks), as :func:`evaluate` counts them for :func:`dp_volume`."""
+    best = (0.0, 0.0)
+    for r in range(lay.pp):
+        psi = float(sum(_numels(model, lay.tp, lay.pp, r, lay.chunks, lay.schedule)))
+        own = float(_own_numel(model, lay.tp, lay.pp, r, persistence_threshold)) if lay.chunks == 1 else 0.0
+        best = max(best, (psi, own))
+    return best
+
+
+@lru_cache(maxsize=4096)
+def _own_numel(model: ModelConfig, tp: int, pp: int, rank: int, persistence_threshold: int) -> int:
+    """Elements of the stage-3 units outside the blocks (embeddings, final norm, output layer) on one chunk."""
+    return sum(n for name, n in rank_parameter_numels(model, tp, pp, rank).items()
+               if not name.startswith("blocks.") and n > persistence_threshold)
 
 
 def evaluate(model: ModelConfig, lay: Layout, global_batch: int, c: Cluster, precision: str = "bf16",
@@ -174,7 +195,8 @@ def evaluate(model: ModelConfig, lay: Layout, global_batch: int, c: Cluster, pre
             acts *= min(m * v, (lay.pp - r - 1) * 2 + (v - 1) * lay.pp + 1) / (v * k1)
         acts += pe.transient
         peak = states + acts + other
-        g, p_ = dp_volume(lay.zero_stage, psi, m)
+        own = _own_numel(model, lay.tp, lay.pp, r, persistence_threshold) if chunks == 1 else 0.0
+        g, p_ = dp_volume(lay.zero_stage, psi, m, own)
         tp_el = _tp_elements(local, lay, layers, first, last, m)
         cp_b = m * layers * ring_kv_bytes(kv, cp, e, recomputed=lay.checkpointing != "none")
         seq = local.seq_len // (lay.tp if lay.sequence_parallel else 1)

@@ -6,7 +6,9 @@ setting of hpZ (partition = the ZeRO ranks of a node), qwZ and qgZ moves, per ra
 (megazero/zero/qgz.py derives the one-micro-batch figures; scales at 4 bytes per block):
 
 * forward all-gather over the whole group: m·w·Ψ, or with qwZ m·(Ψ + 4Ψ/256) (INT8 + scales);
-* backward all-gather: the same over the whole group, or with hpZ m·w·Ψ inside the node;
+* backward all-gather: the same over the whole group, or with hpZ m·w·Ψ inside the node, of Ψ - Ψ_own where a
+  rank runs one chunk (its own units, the embeddings, final norm and output layer, are carried from forward to
+  backward: ``zero/stage3/gather.py``);
 * gradients: m·g·Ψ reduce-scattered over the whole group, or with qgZ an intra-node all-to-all of
   m·(Ψ/2 + 4Ψ/128) and an inter-node one of m·(Ψ/2 + 4Ψ/128)/L (INT4 + scales).
 
@@ -26,7 +28,7 @@ from dataclasses import dataclass, replace
 from megazero.config.precision import ELEMENT_BYTES
 from megazero.config.schema import ModelConfig
 from megazero.plan.roofline import Cluster, StepTime
-from megazero.plan.search import Layout, Plan, evaluate
+from megazero.plan.search import Layout, Plan, evaluate, rank_dp_numels
 from megazero.zero.grads import grad_dtype_for
 from megazero.zero.quantize import GRAD_BLOCK, WEIGHT_BLOCK
 
@@ -48,13 +50,16 @@ class ZeroppPlan:
 
 
 def zeropp_bytes(psi: float, m: int, local: int, nodes: int, hpz: bool, qwz: bool, qgz: bool,
-                 grad_bytes: int, w: int = 2) -> tuple[float, float, float, list[tuple[str, float, int]]]:
-    """(inter per rank, intra per rank, inter per node, [(link, bytes per rank, ring size)]) per step (docstring)."""
+                 grad_bytes: int, w: int = 2, own: float = 0.0) -> tuple[float, float, float, list[tuple[str, float, int]]]:
+    """(inter per rank, intra per rank, inter per node, [(link, bytes per rank, ring size)]) per step (docstring);
+    ``own``: Ψ_own, the elements the backward does not gather again."""
     nd = local * nodes
     spans = nodes > 1
     fwd = m * (psi * (1 + 4 / WEIGHT_BLOCK) if qwz else w * psi)
+    back = psi - own
     parts = [("inter" if spans else "intra", fwd, nd)]
-    parts.append(("intra", m * w * psi, local) if hpz and spans else ("inter" if spans else "intra", fwd, nd))
+    parts.append(("intra", m * w * back, local) if hpz and spans
+                 else ("inter" if spans else "intra", m * (back * (1 + 4 / WEIGHT_BLOCK) if qwz else w * back), nd))
     if qgz:
         hop = m * psi * (0.5 + 4 / GRAD_BLOCK)
         parts.append(("intra", hop, local))
@@ -104,12 +109,12 @@ def rank_zeropp(model: ModelConfig, lay: Layout, global_batch: int, c: Cluster, 
     w = ELEMENT_BYTES[precision]
     grad_bytes = grad_dtype_for(precision).itemsize  # as evaluate counts them: bf16 reduces in fp32 (DESIGN.md)
     m = global_batch // (lay.micro_batch_size * lay.dp)
-    psi = base.dp_bytes / (m * (2 * w + grad_bytes)) if m else 0.0  # evaluate's 2mΨ·w + mΨ·g
+    psi, own = rank_dp_numels(model, lay)  # the rank evaluate's DP bytes come from
     out = []
     for name, (hpz, qwz, qgz) in settings.items():
         if hpz and local == 1:  # no node partner to partition over: hpZ would be a whole 16-bit copy
             continue
-        inter, intra, node, parts = zeropp_bytes(psi, m, local, nodes, hpz, qwz, qgz, grad_bytes, w)
+        inter, intra, node, parts = zeropp_bytes(psi, m, local, nodes, hpz, qwz, qgz, grad_bytes, w, own)
         dp_s = _seconds(parts, local, c) * (1.0 - c.dp_overlap)
         t: StepTime = replace(base.time, dp_comm=dp_s)
         extra = w * psi / local if hpz and nodes > 1 else 0.0

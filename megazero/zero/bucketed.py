@@ -483,8 +483,9 @@ class BucketedParams:
         return [(ps, lay, self.rank) for _, ps, lay in self.buckets]
 
     def padded_numel(self) -> dict[str, int]:
-        """Elements laid out: ``whole`` (parameters kept whole, all buckets with padding) and ``gathered`` (0)."""
-        return {"whole": self.numel, "gathered": 0}
+        """Elements laid out: ``whole`` (parameters kept whole, all buckets with padding), ``gathered`` and
+        ``own`` (0: stage 3's)."""
+        return {"whole": self.numel, "gathered": 0, "own": 0}
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The buffers this store holds right now, by category: ``params``, ``grads`` (the accumulated or

@@ -14,7 +14,8 @@ stage   partitioned                            gradient policy with m micro-batc
 2       + gradients                            reduce-scatter buckets during every backward, all-gather after
                                                the step: (m + 1)Ψ
 3       + parameters (:mod:`.stage3`)          gather per block in every forward and backward, reduce-
-                                               scatter gradients every backward: 3mΨ (persistent parameters
+                                               scatter gradients every backward: 3mΨ, less mΨ_own for a
+                                               chunk's own units on a rank of one chunk (persistent parameters
                                                below ``stage3_param_persistence_threshold``: (m + 1)Ψ_p)
 ======  =====================================  =================================================================
 

@@ -22,6 +22,14 @@ is used again by its own backward right after. It stays gathered until then unle
 ``stage3_max_reuse_distance`` elements of other units are gathered in between (0: release at once, and gather
 it again for its backward).
 
+**Carry.** Where a chunk's own units are parked from a forward (**Buffers** below), their next gather finds the
+values it would all-gather already there, unless an optimizer step (:meth:`GatherScheduler.invalidate`) came in
+between, and runs no collective. Each micro-batch's forward parks them and its backward, or the forward after it,
+takes them back, while every backward frees them: a chunk's own units cost one all-gather per micro-batch, not
+two, whatever the schedule of one chunk per rank (GPipe, 1F1B, ZB-H1 or none). With ``stage3_max_reuse_distance``
+0 nothing is carried (DeepSpeed's meaning: reuse nothing). So the DP volume is 3mΨ for the blocks and 2mΨ for
+the chunk's own units (embeddings, final norm, an untied head; 3mΨ where a rank runs several chunks).
+
 **Buffers.** A block unit is gathered into a slot of the store's :class:`~megazero.zero.stage3.slots.SlotPool`
 (a chunk's own units into memory of their own, per use, parked from the end of a forward with a graph to the
 backward that gathers them again where the rank runs one chunk); a backward that has used every unit of its
@@ -98,6 +106,8 @@ class GatherScheduler:
         self.chunk_units: dict[int, set[int]] = {}  # chunk -> its units' ids
         for u in units:
             self.chunk_units.setdefault(u.chunk, set()).add(u.uid)
+        # units parked since a gather of the current parameters ("Carry" in the module docstring)
+        self.carry: set[int] = set()
         self.unused: set[int] | None = None  # a backward: its chunk's units it has not used yet
         # a chunk's own units are parked from its forward to its backward only where the rank runs one chunk: with
         # several (interleaved, zbv) another chunk's backward may run in between, which would hold them too
@@ -179,13 +189,17 @@ class GatherScheduler:
             u.kept += unit.numel
             if u.kept > self.reuse_distance:
                 self.release(u)
-        self.slots.fill(unit.full.untyped_storage(), unit.full_bytes, pooled and not unit.is_root)
+        restored = self.slots.fill(unit.full.untyped_storage(), unit.full_bytes, pooled and not unit.is_root)
         for p, view in zip(unit.params, unit.views):
             p.data = view
         unit.gathered = True
         self.gathered[unit.uid] = unit
         self.live += unit.numel
         self.peak_live = max(self.peak_live, self.live)
+        carried = unit.uid in self.carry
+        self.carry.discard(unit.uid)
+        if restored and carried and self.phase != HOLD:  # its parked memory holds the current values: no gather
+            return
         sec = self.secondary if self.phase != HOLD else None
         if sec is not None and self.phase == BWD and sec.fresh(unit):  # hpZ: inside the node
             unit.work = sec.gather(unit)
@@ -207,6 +221,7 @@ class GatherScheduler:
         """The primary shards changed (an optimizer step): hpZ's secondary slices are stale until re-stored."""
         if self.secondary is not None:
             self.secondary.invalidate()
+        self.carry.clear()
 
     def done_with(self, unit: Unit, reused: bool) -> None:
         """A forward of ``unit`` finished: keep it for its imminent ``reused`` backward, or release it."""
@@ -229,6 +244,8 @@ class GatherScheduler:
             unit.staging = unit.staging_slot.view(unit.full.dtype)[: unit.numel]
         elif unit.is_root and self.phase == FWD and self.park_roots and torch.is_grad_enabled():
             self.slots.park(unit.full.untyped_storage())  # its backward gathers it next (:mod:`.slots`, "Parking")
+            if self.reuse_distance > 0 and self.slots.parked(unit.full.untyped_storage()):
+                self.carry.add(unit.uid)  # gathered in this forward from the current shards
         else:
             self.slots.empty(unit.full.untyped_storage())
         for p in unit.params:

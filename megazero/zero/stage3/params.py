@@ -38,9 +38,10 @@ fp32 master copy.
   a backward reduces the units of the chunks it ran through only.
 
 DP volume per optimizer step with m micro-batches: 3mΨ_g for gathered parameters (forward gather, backward
-gather, gradient reduce-scatter in every micro-batch), full activation checkpointing included, plus
-(m + 1)Ψ_p for persistent ones. With ``stage3_max_reuse_distance`` 0 and full checkpointing each block is
-gathered once more, for its recomputation: 4mΨ for the blocks.
+gather, gradient reduce-scatter in every micro-batch), full activation checkpointing included, less mΨ_own
+where a rank runs one chunk (its own units, Ψ_own, are gathered once per micro-batch: :mod:`.gather`, "Carry"),
+plus (m + 1)Ψ_p for persistent ones. With ``stage3_max_reuse_distance`` 0 nothing is reused: the own units are
+gathered twice, and with full checkpointing each block once more, for its recomputation (4mΨ for the blocks).
 """
 
 from __future__ import annotations
@@ -479,9 +480,12 @@ class Stage3Params:
         return out
 
     def padded_numel(self) -> dict[str, int]:
-        """Elements laid out (with padding): ``whole`` (persistent parameters), ``gathered`` (sharded units)."""
+        """Elements laid out (with padding): ``whole`` (persistent parameters), ``gathered`` (sharded units) and
+        ``own``, of them the chunks' own units (outside the blocks: gathered once per micro-batch where a rank
+        runs one chunk, :mod:`.gather`'s "Carry")."""
         return {"whole": sum(s.numel for s in self.persistent if s is not None),
-                "gathered": sum(u.numel for u in self.units)}
+                "gathered": sum(u.numel for u in self.units),
+                "own": sum(u.numel for u in self.units if u.is_root)}
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The buffers this store holds right now, by model-state category (released units hold 0 bytes)."""

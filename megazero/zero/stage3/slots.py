@@ -22,10 +22,12 @@ again, a few allocations per pass instead of one per use. Without ``_swap_data_p
 back to ``resize_``.
 
 Parking. Where a rank runs one model chunk, a chunk's own units released at the end of a forward that built a
-graph are not freed: their memory is swapped into a holder (:meth:`SlotPool.park`) and swapped back by the
-backward's gather that follows (the all-gather still runs and writes every element, so the volume stays 3mΨ).
-The backward's release frees it as before, so no peak grows; :meth:`SlotPool.held` includes parked memory. At
-GPT-2 124M this maps the 154 MB tied embedding once per micro-batch instead of twice.
+graph are not freed: their memory is swapped into a holder (:meth:`SlotPool.park`) and swapped back by the next
+gather of that unit (:meth:`SlotPool.fill` says so). The memory still holds the values gathered, so that gather
+skips its all-gather while the parameters have not changed since (the scheduler's *carry*,
+:mod:`.gather`): a chunk's own units are all-gathered once per micro-batch, not twice. The backward's release
+frees the memory as before, so no peak grows; :meth:`SlotPool.held` includes parked memory. At GPT-2 124M this
+maps the 154 MB tied embedding once per micro-batch instead of twice, and gathers it once.
 """
 
 from __future__ import annotations
@@ -57,19 +59,20 @@ class SlotPool:
         self.count += 1
         return torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
 
-    def fill(self, storage: torch.UntypedStorage, nbytes: int, pooled: bool = True) -> None:
-        """Give the empty ``storage`` ``nbytes``: the memory it parked, else a slot's where it fits (and
-        ``pooled``), else its own."""
+    def fill(self, storage: torch.UntypedStorage, nbytes: int, pooled: bool = True) -> bool:
+        """Give the empty ``storage`` ``nbytes``: the memory it parked (returns True: its contents are those it
+        parked), else a slot's where it fits (and ``pooled``), else its own (False)."""
         parked = self._parked.pop(storage._cdata, None)
         if parked is not None and parked.untyped_storage().nbytes() == nbytes:
             storage._swap_data_ptr_(parked.untyped_storage())
-            return
+            return True
         if pooled and SWAP and 0 < nbytes <= self.slot_bytes:
             slot = self._take()
             storage._swap_data_ptr_(slot.untyped_storage())
             self._lent[storage._cdata] = slot
         else:
             storage.resize_(nbytes)
+        return False
 
     def empty(self, storage: torch.UntypedStorage) -> None:
         """Take ``storage``'s memory back: into its slot (which becomes idle), or freed if it was its own."""

@@ -8,7 +8,8 @@ released when the next one is used (``Stage3Params._use_block``) and whatever is
 B. Nothing is reduced in B. W runs between ``start_backward`` and ``finish_backward`` like a backward without a
 graph: its gradients file into the units and each unit is reduce-scattered when its last W gradient arrives.
 W needs no parameter gathered: a weight gradient is ``g^T x`` (layer input and output gradient, both stashed by
-B), so the stage-3 volume stays 3mΨ (a gather in F, one in B, a reduce-scatter in W).
+B), so the stage-3 volume stays 3mΨ (a gather in F, one in B, a reduce-scatter in W), less mΨ_own under ZB-H1
+(one chunk per rank: its own units are gathered once per micro-batch, :mod:`.gather`'s "Carry").
 """
 
 from __future__ import annotations
