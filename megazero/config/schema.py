@@ -181,7 +181,8 @@ class ZeroConfig:
     stage3_prefetch_bucket_size: int = 50_000_000
     stage3_param_persistence_threshold: int = 100_000
     stage3_max_live_parameters: int = 1_000_000_000
-    stage3_max_reuse_distance: int = 1_000_000_000  # keep a recomputed block gathered for its backward
+    # keep a recomputed block gathered for its backward, and a chunk's own units from forward to backward (0: neither)
+    stage3_max_reuse_distance: int = 1_000_000_000
     offload_optimizer: str | None = None  # "cpu": master weights and Adam moments in host memory
     offload_param: str | None = None  # "cpu": ZeRO-3 parameter shards in host memory
     offload_optimizer_pin_memory: bool = False  # zero_optimization.offload_optimizer.pin_memory
