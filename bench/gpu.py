@@ -119,7 +119,7 @@ class OffloadSplit:
     CALLS = {"owned_grads": "copy_to_host_s", "adam": "host_adam_and_copy_back_s"}
     # --offload-delayed-update: the wait for the previous step's host Adam (the part the device's step did not
     # hide), then adam(): the gradients' copy to the host, the parameters' copy back and the thread's start
-    DELAYED = {"begin_step": "host_adam_wait_s", "adam": "copies_and_launch_s"}
+    DELAYED = {"settle": "host_adam_wait_s", "adam": "copies_and_launch_s"}  # (settle: joined before the norm)
 
     def __init__(self, device: torch.device, delayed: bool = False) -> None:
         self.device = device

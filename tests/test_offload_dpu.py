@@ -3,15 +3,17 @@
 The host memory is emulated on the CPU (``device_io.EmulatedHost``, as in tests/test_offload.py). Checked:
 parity with an independent plain-PyTorch reference that applies each step's AdamW update one step late (and a
 negative control: the undelayed reference does not match); the flush (parameters, moments and step count of one
-step, and a checkpoint resumed mid-run that trains exactly like the uninterrupted run); and the overlap itself,
+step, and a checkpoint resumed mid-run that trains exactly like the uninterrupted run); the overlap itself,
 from timestamps taken inside the host Adam calls and around the next step's backward, with DPU off as the
-negative control.
+negative control; a host Adam that raises on one rank of two raises the same error on both (none hangs); and the
+thread's intra-op threads (one fewer where a GPU is the device).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import re
 import threading
 import time
 
@@ -275,34 +277,154 @@ def test_gpu_bench_offload_delayed_run_and_its_summary_line(subprocess_env, tmp_
     assert "offload optimizer delayed update after 1: 2 x 128" in text and "host_adam_wait" in text, text
 
 
+def _failing_runs(ctx, cases: list[tuple[tuple[int, ...], int, int]]) -> list[dict]:
+    """On each rank, per case ``(failing ranks, step, steps)``: ZeRO-2 with the delayed update over the DP group
+    (and the model-parallel group, as the recipe passes them), ``steps`` steps and a flush, the host Adam of
+    ``step`` raising MemoryError on the failing ranks' threads. Records where an error came (the step, or the
+    flush), its type (``DelayedUpdateError`` expected), message and cause, and what a second flush did after it."""
+    from megazero.zero import ZeroOptimizer
+    from megazero.zero import optimizer as zero_optimizer
+
+    real, out = zero_optimizer.adam_update, []
+    for ranks, bad_step, steps in cases:
+        def failing(p, g, lr, lo, hi, *, _ranks=ranks, _step=bad_step, **kw):
+            if kw["step"] == _step and ctx.rank in _ranks and threading.current_thread() is not threading.main_thread():
+                raise MemoryError("injected: the host ran out of memory")
+            return real(p, g, lr, lo, hi, **kw)
+
+        zero_optimizer.adam_update = failing
+        try:
+            with device_io.use(device_io.EmulatedHost("cpu")):
+                model = _model()
+                zero = ZeroConfig(stage=2, offload_optimizer="cpu", offload_delayed_update=True)
+                opt = ZeroOptimizer(model, zero, OPT, ctx.dp_cp_group, norm_group=ctx.mp_group)
+                res: dict = {"at": None}
+                try:
+                    for s, x in enumerate(_batches(steps), start=1):
+                        res["at"] = s
+                        opt.zero_grad()
+                        opt.backward(_loss(model, x))
+                        opt.step(LR)
+                    res["at"] = "flush"
+                    opt.flush()
+                    res["at"] = None  # (no error)
+                except Exception as e:  # (any error: a rank that raised another must not stop the world early)
+                    res.update(error=type(e).__name__, message=str(e),
+                               cause=type(e.__cause__).__name__ if e.__cause__ else None)
+                res["pending"], res["second_flush"] = opt.host.pending, opt.flush()
+                out.append(res)
+        finally:
+            zero_optimizer.adam_update = real
+    return out
+
+
+def test_a_host_adam_failing_on_one_rank_raises_on_every_rank():
+    """2 gloo ranks, ZeRO-2 with the delayed update; MemoryError injected into the host Adam threads of: rank 0 at
+    step 2 (every rank raises in step 3, before the parameters' all-gather), rank 1 at the last step (every rank
+    raises in the end's flush), both ranks at step 1. Each time both ranks raise DelayedUpdateError at the same
+    place, naming the failing ranks, the step and --offload-delayed-update, the failing rank's chained to its
+    MemoryError; the update is dropped, so a second flush does nothing. The world's timeout (60 s) is far below the
+    collectives' (600 s): a rank left waiting fails the test. With the agreement broken (no flag set), the healthy
+    rank waited in the all-gather until the world timed out."""
+    cases = [((0,), 2, 4), ((1,), 3, 3), ((0, 1), 1, 2)]
+    per_rank = run_world(_failing_runs, 2, cases, timeout=60, dist_timeout=600)
+    for k, (ranks, step, _) in enumerate(cases):
+        got = [per_rank[r][k] for r in (0, 1)]
+        where = "flush" if k == 1 else step + 1
+        which = f"failed on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} ("
+        for r, res in enumerate(got):
+            assert res["at"] == where and res["error"] == "DelayedUpdateError", (k, r, res)
+            assert which in res["message"] and f"optimizer step {step} " in res["message"], (k, r, res)
+            assert "--offload-delayed-update" in res["message"], res
+            assert res["cause"] == ("MemoryError" if r in ranks else None), (k, r, res)
+            assert not res["pending"] and res["second_flush"] is False, (k, r, res)
+        same = [re.sub(r" \((this rank's error|see the log)[^)]*\)", "", res["message"]) for res in got]
+        assert same[0] == same[1] and "this rank's" not in same[0], same
+
+
+def test_the_delayed_update_thread_leaves_a_core_where_a_gpu_is_the_device(monkeypatch):
+    """Measured inside the host Adam calls (torch's intra-op threads there), with host_threads() at 3: where a GPU
+    is the device, the delayed updates' thread runs on 2 and the synchronous first step on the main thread on 3;
+    on the CPU device (the negative control) the thread runs on all 3."""
+    from megazero.zero import offload
+    from megazero.zero import optimizer as zero_optimizer
+
+    monkeypatch.setattr(offload, "host_threads", lambda: 3)
+    real = zero_optimizer.adam_update
+    seen: list[tuple[bool, int]] = []
+
+    def spy(p, g, lr, lo, hi, **kw):
+        seen.append((threading.current_thread() is threading.main_thread(), torch.get_num_threads()))
+        return real(p, g, lr, lo, hi, **kw)
+
+    monkeypatch.setattr(zero_optimizer, "adam_update", spy)
+    before = torch.get_num_threads()
+    for gpu, want in ((True, 2), (False, 3)):
+        seen.clear()
+        with device_io.use(device_io.EmulatedHost("cpu")):
+            model = _model()
+            opt = _optimizer(model, 1)
+            opt.host.gpu = gpu  # (what a CUDA device sets: the thread count is all this test reads)
+            for x in _batches(3):
+                opt.zero_grad()
+                opt.backward(_loss(model, x))
+                opt.step(LR)
+            opt.flush()
+        assert seen and {n for main, n in seen if main} == {3}, (gpu, seen)
+        assert {n for main, n in seen if not main} == {want}, (gpu, seen)
+    assert torch.get_num_threads() == before
+
+
+SIDE_STREAM_SLEEP = 400_000_000  # GPU clock cycles (torch.cuda._sleep) before each gradient copy: ~0.2 s on an H100
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_pinned_delayed_update_matches_the_late_reference(monkeypatch):
     """On a GPU, pinned (the gradients' copy on the side stream, the thread waiting on its event and on the
     copy-back's; the compute stream waiting for the gradients before the next backward), fp32 with TF32 off,
-    sub-groups of 3000 elements, each host Adam held back 50 ms so the device's next step runs meanwhile: the same
-    parity with the late-applying plain reference, run on the GPU too. A read before a copy completed (or a
-    backward overwriting gradients still in flight) would show as a difference (the CPU race was 10% in norms)."""
+    sub-groups of 3000 elements: the same parity with the late-applying plain reference, run on the GPU too. The
+    races are made wide: each host Adam is held back 50 ms (the device's next step runs meanwhile), and the side
+    stream sleeps ~0.2 s before each gradient copy (torch.cuda._sleep), so a thread reading the host buffer before
+    the copy's event, or a next backward not waiting for the side stream, sees old or overwritten gradients. The
+    negative control drops the copy's event from the thread's waits: it reads the buffer after 50 ms, before the
+    copy, and the parameters must differ from the reference."""
     from megazero.zero import offload
     from megazero.zero import optimizer as zero_optimizer
 
     monkeypatch.setattr(offload, "SUB_GROUP", 3000)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    real = zero_optimizer.adam_update
+    real, real_issue = zero_optimizer.adam_update, offload.HostOffload._issue
+    wait_for_copy = [True]
 
     def held_back(p, g, lr, lo, hi, **kw):
         if lo == 0 and threading.current_thread() is not threading.main_thread():
             time.sleep(0.05)
         return real(p, g, lr, lo, hi, **kw)
 
+    def slow_issue(self, g, lo, hi, first):
+        if self.pin:  # the side stream sleeps first, so the copy behind it lands late
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            with torch.cuda.stream(self._stream):
+                torch.cuda._sleep(SIDE_STREAM_SLEEP)
+        event = real_issue(self, g, lo, hi, first)
+        return event if wait_for_copy[0] else None  # (None: the thread does not wait for the copy)
+
     monkeypatch.setattr(zero_optimizer, "adam_update", held_back)
+    monkeypatch.setattr(offload.HostOffload, "_issue", slow_issue)
     steps = 5
-    norms, model, opt = _train(steps, 0, device="cuda")
-    assert opt.host.pin and opt.host.pending and opt.master.is_pinned() and opt.owned_numel // 3000 > 40
-    opt.flush()
-    torch.cuda.synchronize()
     ref_norms, _, master, _ = _reference(steps, 0, device="cuda")
-    assert norms == pytest.approx(ref_norms, rel=1e-5)
-    err = normwise_error(_state(model), _state(master))
-    assert err < 1e-5, err
+    for wait in (True, False):
+        wait_for_copy[0] = wait
+        norms, model, opt = _train(steps, 0, device="cuda")
+        assert opt.host.pin and opt.host.pending and opt.master.is_pinned() and opt.owned_numel // 3000 > 40
+        opt.flush()
+        torch.cuda.synchronize()
+        err = normwise_error(_state(model), _state(master))
+        if wait:
+            assert norms == pytest.approx(ref_norms, rel=1e-5)
+            assert err < 1e-5, err
+        else:  # (NaN counts as a difference: the first step's buffer was never written when it was read)
+            assert not err < 1e-5, err

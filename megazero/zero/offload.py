@@ -56,6 +56,20 @@ at the end of step t + 1. The exact semantics, with θ_t the master after step t
   the gathered walks) call it too, so a checkpoint holds the parameters and moments of one step. After a flush the
   next forward sees the newest parameters (a resumed run starts the same way). A run that raises joins the thread
   (:meth:`join`) and leaves the host state at a step boundary; a killed run resumes from its last checkpoint.
+* **A failed update stops every rank, at the same place.** The thread's error (a ``MemoryError``, a failed check)
+  happens on one rank, while its peers would go on into the collective that follows the landing (the parameters'
+  all-gather) and wait there until the collective timeout. So the ranks agree first. Before its gradient norm is
+  summed, a step joins the pending update (:meth:`settle`; it used to be joined after the step's host read: the
+  device keeps computing either way) and appends a failure flag, one fp64 slot per rank (:meth:`with_flags`), to
+  the norm's all-reduce over DP (stages 1-3 make it) and the model-parallel group: no new collective and no new
+  host read, as the norm the step reads is -1 when a flag is set (:meth:`fold_flags`). Every rank then raises the
+  same :class:`DelayedUpdateError` naming the failing ranks (the failing rank chains its own error) and drops the
+  update: nothing lands, nothing is all-gathered. A flush agrees through one all-reduce of the flags alone and a
+  read (:meth:`agree`; it is off the step's path). The run resumes from its last checkpoint: a failed rank's
+  master may hold part of an update.
+* **Cores.** The thread runs Adam on :func:`~megazero.zero.host_adam.host_threads` intra-op threads on the CPU
+  device; where a GPU is the device, on one fewer (at least 1), so the main thread keeps a core to launch the
+  device's work (DeepSpeed's CPU Adam does likewise); the synchronous host Adam, with nothing beside it, keeps all.
 """
 
 from __future__ import annotations
@@ -65,14 +79,16 @@ import threading
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from megazero.distributed import device_io
+from megazero.distributed.group import Group
 from megazero.zero.adam import ADAM_CHUNK
 from megazero.zero.flat import OwnedSegment
 from megazero.zero.grads import OwnedGrads
 from megazero.zero.host_adam import StagedGrads, host_threads, using_threads
 
-__all__ = ["HostOffload"]
+__all__ = ["DelayedUpdateError", "HostOffload"]
 
 SUB_GROUP = ADAM_CHUNK  # elements per pipelined sub-group (read when a HostOffload is made; tests shrink it)
 
@@ -82,11 +98,13 @@ class HostOffload:
 
     ``pin``: page-locked host memory and asynchronous copies (a GPU is present); ``chunk``: elements per
     sub-group (default :data:`SUB_GROUP`); ``threads``: intra-op threads of the host Adam (None:
-    :func:`~megazero.zero.host_adam.host_threads` at each step)."""
+    :func:`~megazero.zero.host_adam.host_threads` at each step, one fewer on the delayed update's thread where
+    ``gpu``: the device is a GPU)."""
 
     def __init__(self, pin: bool, chunk: int | None = None, threads: int | None = None,
-                 stage_out: bool = False, delayed_after: int | None = None) -> None:
+                 stage_out: bool = False, delayed_after: int | None = None, gpu: bool = False) -> None:
         self.pin = pin
+        self.gpu = gpu
         self.chunk = chunk or SUB_GROUP
         self.threads = threads
         # cast the copy-back on the host through two pinned model-dtype chunks (False: copy from the master)
@@ -102,6 +120,7 @@ class HostOffload:
         self._worker: _Worker | None = None  # the running (or finished, not yet landed) delayed Adam
         self._copied_back: torch.cuda.Event | None = None  # the last copy-back out of the pinned master
         self._delay_now = False  # this step's adam() is delayed (begin_step)
+        self._flags: torch.Tensor | None = None  # the summed failure flags of the last fold_flags
 
     # -- the one-step delayed update (module docstring) -------------------------------------------------------
     def delays(self, steps_done: int) -> bool:
@@ -157,14 +176,14 @@ class HostOffload:
     def launch(self, master: torch.Tensor, update: Callable[[torch.Tensor, int, int], None]) -> None:
         """Start ``update(master[lo:hi], lo, hi)`` over the sub-groups on a background thread, reading the gradients
         :meth:`stage_delayed` copied (after their copy and the last copy-back out of the master completed); the
-        thread sees the caller's context (the emulated host of a test) and runs on :func:`host_threads` cores."""
+        thread sees the caller's context (the emulated host of a test) and runs on :meth:`worker_threads` cores."""
         if self._delayed is None or self._worker is not None:
             raise RuntimeError("HostOffload.launch needs stage_delayed first and no update pending (land it)")
         (g, copied), self._delayed = self._delayed, None
         if self.pin:  # the next backward writes the device gradients only after they left
             torch.cuda.current_stream().wait_stream(self._stream)
         read_back, numel, chunk = self._copied_back, master.numel(), self.chunk
-        threads = self.threads or host_threads()
+        threads = self.worker_threads()
 
         @torch.no_grad()
         def run() -> None:
@@ -193,6 +212,65 @@ class HostOffload:
         """Wait for a pending delayed update without landing it or raising (a run unwinding from an error)."""
         if self._worker is not None:
             self._worker.join()
+
+    def worker_threads(self) -> int:
+        """Intra-op threads of the delayed update's thread: ``threads``, else :func:`host_threads`, less one where
+        the device is a GPU (at least 1): the main thread keeps a core to launch the device's work meanwhile."""
+        if self.threads:
+            return self.threads
+        n = host_threads()
+        return max(1, n - 1) if self.gpu else n
+
+    def settle(self) -> BaseException | None:
+        """Join the pending delayed update without landing it or raising; return its error (None: it succeeded, or
+        none is pending). The ranks then agree on it (:meth:`failure_flags`) before anything lands."""
+        self.join()
+        return self._worker.error if self._worker is not None else None
+
+    def failure_flags(self, device: torch.device) -> torch.Tensor:
+        """Join the pending delayed update and return this rank's failure flags: fp64 zeros on ``device``, one per
+        rank of the world, with a 1 at this rank's when its update raised. Summed over DP and the model-parallel
+        group (beside the gradient norm), they say on every rank which ranks failed (:func:`failed_ranks`)."""
+        failed = self.settle() is not None
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        flags = torch.zeros(world, dtype=torch.float64, device=device)
+        if failed:
+            flags[rank] = 1.0
+        return flags
+
+    def with_flags(self, sq: torch.Tensor) -> torch.Tensor:
+        """``sq`` (the step's local squared gradient norm, shape (1,)) followed by :meth:`failure_flags`: summed with
+        it over DP and the model-parallel group, then :meth:`fold_flags`."""
+        return torch.cat([sq, self.failure_flags(sq.device)])
+
+    def fold_flags(self, summed: torch.Tensor) -> torch.Tensor:
+        """The global squared norm from :meth:`with_flags`' summed vector, -1 when a flag is set (the step's one
+        host read carries the agreement; :meth:`raise_failure` then reads the flags to name the ranks)."""
+        self._flags = summed[1:]
+        return summed[0].masked_fill(self._flags.any(), -1.0)
+
+    def raise_failure(self, step: int) -> None:
+        """After :meth:`fold_flags` gave -1: raise :class:`DelayedUpdateError` (on every rank alike)."""
+        self._raise_if_failed(device_io.read(self._flags), step)
+
+    def agree(self, device: torch.device, groups: Sequence[Group | None], step: int) -> None:
+        """Before a flush lands the pending update: sum the failure flags over ``groups`` (DP, the model-parallel
+        group) and raise on every rank alike if any is set (one all-reduce per group and a read, off the step's
+        path)."""
+        flags = self.failure_flags(device)
+        for group in groups:
+            if group is not None:
+                group.all_reduce(flags, tag="other")
+        self._raise_if_failed(device_io.read(flags), step)
+
+    def _raise_if_failed(self, flags: Sequence[float], step: int) -> None:
+        """Given the failure flags summed over all ranks: when any is set, drop the pending update (nothing lands)
+        and raise the same error as every other rank; the failing rank chains its own error."""
+        ranks = failed_ranks(flags)
+        if ranks:
+            own = self.settle()
+            self._worker, self._delayed = None, None
+            raise delayed_update_error(ranks, step, own) from own
 
     def fp32(self, numel: int, zero: bool) -> torch.Tensor:
         """An fp32 host tensor of ``numel`` elements (zeroed when ``zero``)."""
@@ -283,6 +361,27 @@ class HostOffload:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream())
             self._out_done[k % 2] = event
+
+
+class DelayedUpdateError(RuntimeError):
+    """A delayed host Adam update failed on some rank; every rank raises it at the same point (module docstring)."""
+
+
+def failed_ranks(flags: Sequence[float]) -> list[int]:
+    """The ranks whose slot in the summed failure flags (:meth:`HostOffload.failure_flags`) is set."""
+    return [r for r, f in enumerate(flags) if f > 0]
+
+
+def delayed_update_error(ranks: Sequence[int], step: int, own: BaseException | None) -> DelayedUpdateError:
+    """The error every rank raises when the delayed update of optimizer step ``step`` failed on ``ranks``; ``own``
+    is this rank's error (None on a rank whose update succeeded)."""
+    which = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+    here = (f"this rank's error: {type(own).__name__}: {own}" if own is not None
+            else f"see the log of {which} for its error")
+    return DelayedUpdateError(
+        f"the delayed host Adam update of optimizer step {step} (--offload-delayed-update) failed on {which} ({here}); "
+        f"every rank stops here and none lands it. Resume from the last checkpoint (a failed rank's master may hold "
+        f"part of the update); without --offload-delayed-update the host Adam runs on the main thread")
 
 
 class _Worker(threading.Thread):

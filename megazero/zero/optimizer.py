@@ -145,7 +145,8 @@ class ZeroOptimizer:
         self.offload = zero_cfg.offload_optimizer == "cpu"
         pin = zero_cfg.offload_optimizer_pin_memory and torch.cuda.is_available()
         delayed = zero_cfg.offload_delayed_update_after if zero_cfg.offload_delayed_update else None  # (resolve: offload)
-        self.host = HostOffload(pin, delayed_after=delayed) if self.offload else None
+        gpu = self._comm_device.type == "cuda"  # (the delayed update's thread leaves the main thread a core)
+        self.host = HostOffload(pin, delayed_after=delayed, gpu=gpu) if self.offload else None
         self.mixed = self.dtype != torch.float32
         # parameter shards in host memory without optimizer offload: the fp32 master and the moments stay on the
         # device with the gradients (one device in the Adam call), the master apart from the host shards even in
@@ -257,11 +258,14 @@ class ZeroOptimizer:
         local = (torch.stack(norms).double().square().sum() if norms
                  else torch.zeros((), dtype=torch.float64, device=g.parts[0].device))
         sq = local.reshape(1).to(self._comm_device, non_blocking=True)
+        dpu = self.host is not None and self.host.delayed_after is not None
+        if dpu:  # the pending delayed update's failure flags ride along: every rank learns of any failure (offload.py)
+            sq = self.host.with_flags(sq)
         if self.sharded.optimizer_states:  # partitioned gradients: sum the partitions over DP
             self.dp_group.all_reduce(sq, tag="norm")
         if self.norm_group is not None:
             self.norm_group.all_reduce(sq, tag="norm")
-        return sq[0]
+        return self.host.fold_flags(sq) if dpu else sq[0]  # (a failure: negative, finish_step raises)
 
     def prepare_step(self) -> torch.Tensor:
         """First half of :meth:`step`: reduce the gradients (sum the tied embedding's two copies, and under
@@ -297,6 +301,8 @@ class ZeroOptimizer:
             raise RuntimeError("ZeroOptimizer.finish_step called without prepare_step for this step")
         self._grads = None
         sq = float(sq_norm)
+        if sq < 0:  # the delayed update failed on some rank: every rank raises here (_global_sq_norm)
+            self.host.raise_failure(self.step_count)
         scale = self.scaler.scale if self.scaler is not None else 1.0
         if not math.isfinite(sq):  # every rank saw the same non-finite sum: all skip
             self.flush()  # (offload's delayed update: the previous step's still lands at this boundary)
@@ -378,12 +384,14 @@ class ZeroOptimizer:
         return self.finish_step(lr, device_io.read(sq)[0])
 
     def flush(self) -> bool:
-        """Land offload's pending delayed update, if any (:meth:`HostOffload.land
-        <megazero.zero.offload.HostOffload.land>`, then the parameters' all-gather: a collective over ``dp_group``
-        when one is pending, and every rank has the same pending state). Returns whether one was pending. The loop
-        calls it before an evaluation, samples, a checkpoint and at the end; the state reads below call it too."""
-        if self.host is None or not self.host.land(self.state.master, self.store.segments, self.state.starts):
+        """Land offload's pending delayed update, if any, once the ranks agreed it succeeded (:meth:`HostOffload.agree
+        <megazero.zero.offload.HostOffload.agree>`, then ``land`` and the parameters' all-gather over ``dp_group``;
+        every rank has the same pending state). Returns whether one was pending. The loop calls it before an
+        evaluation, samples, a checkpoint and at the end; the state reads below call it too."""
+        if self.host is None or not self.host.pending:
             return False
+        self.host.agree(self._comm_device, (self.dp_group, self.norm_group), self.step_count)
+        self.host.land(self.state.master, self.store.segments, self.state.starts)
         self.store.after_step()
         return True
 
