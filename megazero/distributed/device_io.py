@@ -164,14 +164,13 @@ def mapped(numel: int, dtype: torch.dtype) -> torch.Tensor:
 def release_free_memory(device: torch.device) -> None:
     """Hand CUDA's cached blocks back once, after construction (``empty_cache``; nothing on other devices).
 
-    On the host nothing is trimmed: where this rank holds whole tensors (tp 1, replicated parameters) at stages
-    0-3 in fp32 and stages 0-2 in bf16, construction writes each parameter's initial value straight into the buffer
-    that keeps it (:mod:`megazero.model.init`), so it leaves no freed heap behind live allocations with glibc's
-    defaults (bench/README.md, "ZeRO's process peak"; tests/test_zero_rss.py counts the bytes construction
-    frees). Not yet so: under tp > 1 each value is drawn whole and sliced, and at stage 3 in a 16-bit dtype each
-    unit's fp32 start is cloned and then copied into the master, so about 4Ψ/N_d bytes are freed after
-    construction there. Buffers used again and again are allocated once (ZeRO-3's slots), so nothing is needed
-    per step."""
+    On the host nothing is trimmed: at stages 0-3, in fp32 and in 16 bits, construction writes each parameter's
+    initial value straight into the buffer that keeps it (:mod:`megazero.model.init`; a TP shard cut from the
+    stream through a small mapped scratch, a 16-bit model's fp32 starting values laid out as the master), so it
+    leaves no freed heap behind live allocations with glibc's defaults (bench/README.md, "ZeRO's process peak";
+    tests/test_zero_rss.py counts the bytes construction frees). Not yet so: under optimizer offload in a 16-bit
+    dtype the fp32 starting values (4Ψ/N_d; 4Ψ at stage 0) are copied into the host master and freed. Buffers
+    used again and again are allocated once (ZeRO-3's slots), so nothing is needed per step."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
 

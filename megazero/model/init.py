@@ -3,22 +3,26 @@ and zero-padded, so any topology starts from the same model (DESIGN.md's convent
 
 A model built on the meta device is materialised by ZeRO one parameter (or one stage-3 unit) at a time through
 :func:`parameter_initializer`. Its :meth:`ParameterInit.into` writes a value straight into the memory that keeps
-it (a view of a flat buffer) wherever this rank's slice is the whole tensor on the CPU (tp 1, or a replicated
-parameter): the generator fills the view in place, with the same stream and bit for bit the same values as
-:func:`initial_value`, and no temporary is made. Why: drawing into fresh tensors (the draw, ``* std``, the
-padding, the TP slice) leaves tens of MB of freed heap per large parameter, which glibc keeps resident once a
-small live allocation lands above it (bench/README.md, "ZeRO's process peak": 100-230 MB on some ranks of the
-49M GPT at ZeRO-3). Elsewhere (a TP slice, a GPU) the full value is drawn on the host and copied.
+it (a view of a flat buffer) on the CPU: where this rank's slice is the whole tensor (tp 1, or a replicated
+parameter) the generator fills the view in place, with the same stream and bit for bit the same values as
+:func:`initial_value`; a TP shard is cut from the stream replayed piece by piece through one small scratch
+(:func:`_draw_shard`), never drawn in full. Why: drawing into fresh tensors (the draw, ``* std``, the padding,
+the TP slice) leaves tens of MB of freed heap per large parameter, which glibc keeps resident once a small live
+allocation lands above it (bench/README.md, "ZeRO's process peak": 100-230 MB on some ranks of the 49M GPT at
+ZeRO-3). Into another dtype or device (a GPU) the value is written so into host memory mapped for it alone
+(``device_io.mapped``: unmapped when it dies), then copied.
 """
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from megazero.distributed import device_io
 from megazero.distributed.group import Group
 from megazero.tensor_parallel.layers import ShardSpec, shard_full_tensor, tp_size_rank
 
@@ -54,6 +58,65 @@ def _draw(spec: ShardSpec, out: torch.Tensor, generator: torch.Generator) -> Non
         raise ValueError(f"unknown init {spec.init!r}")
 
 
+def _runs(spec: ShardSpec, tp_rank: int, tp_size: int) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
+    """Where this TP rank's shard comes from in the full, unpadded value, both flattened: ``(start, end, at)``
+    runs of full elements copied to the shard's flat ``at`` (increasing, disjoint), and ``(at, count)`` runs of
+    padding (zeros)."""
+    dim, shape = spec.partition_dim, spec.full_shape
+    outer, inner, size = math.prod(shape[:dim]), math.prod(shape[dim + 1:]), shape[dim]
+    rows = spec.rank_rows(tp_rank, tp_size)  # along the padded dim
+    local = sum(hi - lo for lo, hi in rows)
+    runs, pads = [], []
+    for o in range(outer):
+        at = o * local
+        for lo, hi in rows:
+            real = min(hi, size)
+            if lo < real:
+                runs.append(((o * size + lo) * inner, (o * size + real) * inner, at * inner))
+            if hi > max(lo, size):
+                pads.append(((at + max(lo, size) - lo) * inner, (hi - max(lo, size)) * inner))
+            at += hi - lo
+    return runs, pads
+
+
+def _draw_shard(spec: ShardSpec, out: torch.Tensor, generator: torch.Generator, tp_rank: int, tp_size: int,
+                chunk: int = 1 << 14) -> None:
+    """:func:`initial_value`'s TP shard written into ``out`` (contiguous fp32 on the CPU) without the full value:
+    the generator's stream is replayed in pieces of ``chunk`` elements through one scratch in mapped memory, and
+    this rank's elements copied out of each piece.
+
+    Bit for bit the full draw's values, by how the CPU's ``normal_`` fills a float tensor of n >= 16 elements:
+    one 32-bit draw per element in order, turned into normals 16 elements at a time (pairs ``j``, ``j + 8``),
+    then 16 more draws recompute the last 16 elements where n is no multiple of 16. So a piece that starts at
+    a multiple of 16 of the stream and ends at least 16 elements before its end holds the full draw's values,
+    and the last piece, running to the end, holds them with that tail (tests/test_zero_rss.py checks it against
+    the full draw at every cut)."""
+    flat = out.view(-1)
+    runs, pads = _runs(spec, tp_rank, tp_size)
+    for at, n in pads:
+        flat[at: at + n].zero_()
+    if spec.init != "normal":
+        for a, b, at in runs:
+            flat[at: at + b - a].fill_(1.0 if spec.init == "ones" else 0.0)
+        return
+    size, chunk = math.prod(spec.full_shape), max(16, chunk // 16 * 16)
+    scratch = device_io.mapped(min(chunk + 16, size), torch.float32)  # off the heap, unmapped when it dies
+    c, i, end = 0, 0, max((b for _, b, _ in runs), default=0)
+    while c < end:
+        e = size if size - c < chunk + 16 else c + chunk  # the last piece runs to the end (16 to chunk + 15)
+        piece = scratch[: e - c].normal_(0.0, 1.0, generator=generator)
+        while i < len(runs) and runs[i][0] < e:
+            a, b, at = runs[i]
+            lo, hi = max(a, c), min(b, e)
+            flat[at + lo - a: at + hi - a].copy_(piece[lo - c: hi - c])
+            if b > e:
+                break
+            i += 1
+        c = e
+    for a, b, at in runs:
+        flat[at: at + b - a].mul_(spec.std)
+
+
 @torch.no_grad()
 def write_initial_value(out: torch.Tensor, p: nn.Parameter, name: str, seed: int,
                         tp_group: Group | None = None) -> None:
@@ -63,18 +126,23 @@ def write_initial_value(out: torch.Tensor, p: nn.Parameter, name: str, seed: int
     whole (padded) tensor: the draw fills the real rows, the padding rows (after them along ``partition_dim``
     0) are zeroed. Otherwise the value is drawn and sliced as :func:`initial_value` does, then copied."""
     spec = p.shard_spec
-    tp_size, _ = tp_size_rank(tp_group)
+    tp_size, tp_rank = tp_size_rank(tp_group)
     dim = spec.partition_dim
     body = out
     if dim is not None and tp_size == 1 and out.shape[dim] > spec.full_shape[dim]:  # vocab padding at the end
         body = out.narrow(dim, 0, spec.full_shape[dim])
-    if ((dim is None or tp_size == 1) and out.device.type == "cpu" and out.dtype == torch.float32
-            and out.is_contiguous() and body.is_contiguous()):
+    host32 = out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous()
+    if host32 and (dim is None or tp_size == 1) and body.is_contiguous():
         _draw(spec, body, _generator(seed, name))
         if body is not out:
             out.narrow(dim, body.shape[dim], out.shape[dim] - body.shape[dim]).zero_()
         return
-    out.copy_(initial_value(p, name, seed, tp_group))
+    if host32 and dim is not None:
+        _draw_shard(spec, out, _generator(seed, name), tp_rank, tp_size)
+        return
+    value = device_io.mapped(out.numel(), torch.float32).view(out.shape)  # another dtype or device: drawn off
+    write_initial_value(value, p, name, seed, tp_group)  # the heap as above, then copied (rounded) into ``out``
+    out.copy_(value)
 
 
 @torch.no_grad()

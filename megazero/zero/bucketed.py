@@ -90,7 +90,8 @@ class BucketedParams:
     slices into every rank's buffer (Ψ). With ``reduce_scatter`` False, gradients are all-reduced instead (2Ψ
     per reduction) and the slice kept. Parameters in ``isolate`` get buckets of their own, so this rank owns
     the same elements of them whatever else the store holds (the tied embedding's two pipeline copies must be
-    partitioned alike, given the same ``bucket_numel``).
+    partitioned alike, given the same ``bucket_numel``). ``init_flat``: where the owned fp32 starting values go
+    in mixed precision (default: a new buffer; ZeRO-3's holds its gathered parameters' too).
     """
 
     def __init__(self, params: Sequence[nn.Parameter], dtype: torch.dtype, dp_group: Group, *,
@@ -99,7 +100,8 @@ class BucketedParams:
                  isolate: Sequence[nn.Parameter] = (), grad_dtype: torch.dtype | None = None,
                  max_inflight: int = 2, groups: Sequence[Sequence[nn.Parameter]] | None = None,
                  param_init: Callable[[nn.Parameter], torch.Tensor] | None = None,
-                 device: torch.device | None = None, reduce_group: Group | None = None, qgz=None) -> None:
+                 device: torch.device | None = None, reduce_group: Group | None = None, qgz=None,
+                 init_flat: torch.Tensor | None = None) -> None:
         if shard_gradients and not shard_optimizer:
             raise ValueError("sharded gradients need sharded optimizer states (ZeRO stage 2 includes stage 1)")
         if max_inflight < 1:
@@ -156,8 +158,9 @@ class BucketedParams:
         # the owned slices' fp32 starting values for a mixed-precision master copy (zeros in the padding)
         owned = [hi - lo for _, lo, hi in ranges]  # mixed precision: one fp32 buffer, the master-to-be (state.py)
         mixed = dtype != torch.float32 and bool(owned)
-        inits = list(torch.zeros(sum(owned), dtype=torch.float32, device=device).split(owned)) if mixed \
-            else [None] * len(owned)
+        start = (torch.zeros(sum(owned), dtype=torch.float32, device=device) if init_flat is None
+                 else init_flat.zero_()) if mixed else None  # (split checks init_flat's size)
+        inits = list(start.split(owned)) if start is not None else [None] * len(owned)
         for s, _, layout in self.buckets:
             self.param_flat[s + layout.numel: s + layout.padded_numel].zero_()
         for p in order:  # one parameter's value at a time (built on the meta device: drawn in place where fp32)

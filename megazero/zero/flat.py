@@ -23,7 +23,8 @@ from torch import nn
 
 from megazero.distributed import device_io
 
-__all__ = ["FlatLayout", "OwnedSegment", "Piece", "build_buckets", "initial_into", "set_data", "storage_bytes"]
+__all__ = ["FlatLayout", "OwnedSegment", "Piece", "build_buckets", "bucketed_shard_numel", "initial_into", "set_data",
+           "storage_bytes"]
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,15 @@ def build_buckets(numels: Sequence[int], bucket_numel: int, isolate: Sequence[bo
     return groups
 
 
+def bucketed_shard_numel(numels: Sequence[int], bucket_numel: int, dp_size: int, align: int,
+                         isolate: Sequence[bool] | None = None) -> int:
+    """The elements one of ``dp_size`` ranks owns of tensors of sizes ``numels`` (in layout order) cut into buckets
+    as :class:`~megazero.zero.bucketed.BucketedParams` cuts them (one group): known before the store is built, so
+    ZeRO-3 can lay its persistent parameters' fp32 starting values out in the buffer that holds the rest."""
+    return sum(FlatLayout([n for _, _, n in cut], dp_size, align).shard_numel
+               for cut in build_buckets(numels, bucket_numel, isolate, multiple=dp_size * align))
+
+
 def set_data(p: nn.Parameter, value: torch.Tensor) -> None:
     """``p.data = value``, also for a parameter built on the meta device (which ``.data`` cannot leave): its
     tensor is swapped in place, keeping the Parameter object, its hooks and its attributes."""
@@ -155,14 +165,15 @@ def initial_into(param_init: Callable[[nn.Parameter], torch.Tensor] | None, p: n
     ``p``'s own when it has storage; for a parameter built on the meta device, drawn straight into an fp32
     ``out`` through ``param_init.into`` where the initializer has one (:class:`megazero.model.init.ParameterInit`:
     no temporary of the parameter's size, so construction leaves no freed heap behind; its module docstring),
-    else ``param_init(p)``'s fresh fp32 tensor (drawn in place into ``device_io.mapped`` memory beside a CPU
-    ``out`` of a narrower dtype), copied (rounded) into ``out``."""
+    else its fp32 value on the host (drawn in place through ``into`` into ``device_io.mapped`` memory beside an
+    ``out`` of a narrower dtype, on any device; without ``into`` ``param_init(p)``'s fresh tensor), copied
+    (rounded) into ``out``."""
     if not p.is_meta:
         value = p.detach()
     elif out.dtype == torch.float32 and hasattr(param_init, "into"):
         param_init.into(p, out)
         return out
-    elif out.device.type == "cpu" and hasattr(param_init, "into"):  # the fp32 value beside a narrower ``out``
+    elif hasattr(param_init, "into"):  # the fp32 value on the host beside a narrower ``out``
         value = device_io.mapped(out.numel(), torch.float32).view(out.shape)  # off the heap (mapped's why)
         param_init.into(p, value)
     else:

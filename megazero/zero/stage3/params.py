@@ -34,6 +34,9 @@ fp32 master copy.
 * **Sharded initialisation**: a model built on the meta device is materialised one unit at a time by
   ``param_init``: a unit's parameters are drawn in full straight into a slot (fp32; a unit larger than a slot
   into ``device_io.mapped`` memory on the CPU), this rank's slice kept, so construction frees no heap block.
+  In a 16-bit dtype the slice's fp32 values go to their place in one buffer of this rank's starting values
+  (persistent parameters' first, then each unit's, the order of :attr:`segments`), which the optimizer takes
+  as its fp32 master as it is (:class:`~megazero.zero.state.OwnedState`): nothing cloned, copied or freed.
 * **Several chunks per rank** (the interleaved pipeline schedule): every chunk has its own hooks and passes;
   a backward reduces the units of the chunks it ran through only.
 
@@ -47,7 +50,7 @@ gathered twice, and with full checkpointing each block once more, for its recomp
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -55,16 +58,14 @@ from torch import nn
 from megazero.config.schema import ZeroConfig
 from megazero.distributed import device_io
 from megazero.distributed.group import Group
-from megazero.zero.bucketed import BucketedParams, FlatLayout, OwnedSegment, set_data
-from megazero.zero.flat import initial_into
+from megazero.zero.bucketed import BucketedParams, FlatLayout, OwnedSegment
+from megazero.zero.stage3.build import ParamInit, lent, persistent_numels, shard_unit, slot_bytes
 from megazero.zero.stage3.gather import BWD, FWD, GatherOrderError, GatherScheduler
 from megazero.zero.stage3.hpz import zeropp_comm
 from megazero.zero.stage3.slots import SlotPool
 from megazero.zero.stage3.units import PreBackward, Unit, collect_units, model_chunks, saves_storage
 
 __all__ = ["GatherOrderError", "Stage3Params"]
-
-ParamInit = Callable[[nn.Parameter], torch.Tensor]  # a parameter's full (local-shape) fp32 initial value
 
 
 class Stage3Params:
@@ -90,42 +91,56 @@ class Stage3Params:
         self.chunks = [c for _, c in model_chunks(model)]
         threshold = cfg.stage3_param_persistence_threshold
         specs = collect_units(model, isolate)
-        self.persistent: list[BucketedParams] = []
-        self.segments: list[OwnedSegment] = []
-        for c in range(len(self.chunks)):
-            ps = [p for s in specs if s.chunk == c for p in s.params if p.numel() <= threshold]
-            store = BucketedParams(
-                ps, dtype, dp_group, shard_optimizer=True, shard_gradients=True,
-                bucket_numel=min(cfg.reduce_bucket_size, cfg.allgather_bucket_size), align=align,
-                overlap_comm=cfg.overlap_comm, reduce_scatter=cfg.reduce_scatter, isolate=isolate,
-                grad_dtype=self.grad_dtype, max_inflight=self.max_inflight, param_init=param_init,
-                device=self.device, reduce_group=self.reduce_group) if ps else None
-            for p in ps:  # after the store's hook: the chunk is touched, so finish_backward finishes the store
-                p.register_post_accumulate_grad_hook(lambda _, c=c: self._touched.add(c))  # (docstring)
-            self.persistent.append(store)
-            self.segments += store.segments if store is not None else []
+        bucket = min(cfg.reduce_bucket_size, cfg.allgather_bucket_size)
+        kept = [[p for s in specs if s.chunk == c for p in s.params if p.numel() <= threshold]
+                for c in range(len(self.chunks))]  # each chunk's persistent parameters
         for s in specs:
             s.params = [p for p in s.params if p.numel() > threshold]
         specs = [s for s in specs if s.params]
         layouts = [FlatLayout([p.numel() for p in s.params], dp_group.size, align) for s in specs]
         total = sum(lay.shard_numel for lay in layouts)
+        # mixed precision: this rank's fp32 starting values, persistent stores' then units', in one buffer (in the
+        # order of self.segments) that OwnedState takes as the master as it is ("Sharded initialisation")
+        kept_numel = persistent_numels(kept, bucket, dp_group.size, align, isolate)
+        start = (torch.zeros(sum(kept_numel) + total, dtype=torch.float32, device=self.device)
+                 if dtype != torch.float32 else None)
+        self.persistent: list[BucketedParams] = []
+        self.segments: list[OwnedSegment] = []
+        at = 0
+        for c, (ps, n) in enumerate(zip(kept, kept_numel)):
+            store = BucketedParams(
+                ps, dtype, dp_group, shard_optimizer=True, shard_gradients=True, bucket_numel=bucket, align=align,
+                overlap_comm=cfg.overlap_comm, reduce_scatter=cfg.reduce_scatter, isolate=isolate,
+                grad_dtype=self.grad_dtype, max_inflight=self.max_inflight, param_init=param_init,
+                device=self.device, reduce_group=self.reduce_group,
+                init_flat=None if start is None else start[at: at + n]) if ps else None
+            for p in ps:  # after the store's hook: the chunk is touched, so finish_backward finishes the store
+                p.register_post_accumulate_grad_hook(lambda _, c=c: self._touched.add(c))  # (docstring)
+            self.persistent.append(store)
+            self.segments += store.segments if store is not None else []
+            assert sum(seg.param.numel() for seg in self.segments) == at + n, "persistent layout out of step"
+            at += n
         self.offload_param = offload_param
         self.shard_flat = (device_io.empty(total, dtype, pin=torch.cuda.is_available()) if offload_param
                            else torch.empty(total, dtype=dtype, device=self.device))
         self._placeholder = torch.full((1,), float("nan"), dtype=dtype, device=self.device)
-        self.slots = SlotPool(self._slot_bytes(specs, layouts), self.device)
+        self.slots = SlotPool(slot_bytes(specs, layouts, dp_group.size, dtype, self.stage_dtype, self.grad_dtype,
+                                         self.reduce_chunks), self.device)
         self.units: list[Unit] = []
         off = 0
         for spec, layout in zip(specs, layouts):
             n = layout.shard_numel
             # released from the start (gathered when first used; the owned gradient allocated by the unit's
             # first reduction of a step): both made in a slot and left with an empty storage, no allocation
-            full, grad = self._lent(layout.padded_numel, dtype), self._lent(n, self.grad_dtype)  # (if they fit)
+            full, grad = (lent(self.slots, layout.padded_numel, dtype, self.device),  # (if they fit)
+                          lent(self.slots, n, self.grad_dtype, self.device))
             unit = Unit(len(self.units), spec, layout, self.shard_flat[off: off + n], grad, full)
             self.slots.empty(full.untyped_storage())  # after the parameters' views are made
             self.slots.empty(grad.untyped_storage())
             off += n
-            self.segments.append(self._shard_unit(unit, param_init))
+            self.segments.append(shard_unit(unit, param_init, self.slots, self._placeholder, self.rank,
+                                            None if start is None else start[at: at + n]))
+            at += n
             self.units.append(unit)
             for p in unit.params:
                 p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, unit))
@@ -142,44 +157,6 @@ class Stage3Params:
         self._roots_free: dict[int, bool] = {}  # chunk -> its own units are not needed by the blocks' backward
         self._saved_names: dict[type, list[str]] = {}  # autograd node type -> its saved-value attributes
         self._inflight: list[tuple] = []  # (work, unit, buffer, this rank's part, start, first, its slot)
-
-    def _slot_bytes(self, specs, layouts: list[FlatLayout]) -> int:
-        """The pool's slot: the most bytes a block unit needs at once for one buffer (gathered, staged, or one
-        converted reduction chunk); a chunk's own units are allocated at their own size (:mod:`.slots`)."""
-        size, need = self.dp_group.size, 0
-        for spec, lay in zip(specs, layouts):
-            if not spec.is_root:
-                chunk = size * -(-lay.shard_numel // self.reduce_chunks) * self.grad_dtype.itemsize
-                need = max(need, lay.padded_numel * max(self.dtype.itemsize, self.stage_dtype.itemsize), chunk)
-        return need
-
-    def _lent(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A tensor of ``numel`` elements on a storage of its own that holds a borrowed slot (or, larger than a
-        slot, its own memory) until ``self.slots.empty`` is called on it: construction shapes the units' buffers
-        and their views this way without allocating and freeing a block's bytes for each."""
-        storage = torch.UntypedStorage(0, device=self.device)
-        self.slots.fill(storage, numel * dtype.itemsize)
-        return torch.empty(0, dtype=dtype, device=self.device).set_(storage, 0, (numel,), (1,))
-
-    def _shard_unit(self, unit: Unit, param_init: ParamInit | None) -> OwnedSegment:
-        """Fill this rank's shard of ``unit`` from its full fp32 values (built here one unit at a time when
-        the model is on the meta device), release the unit, and return its owned segment."""
-        layout, ps = unit.layout, unit.params
-        lo, hi = layout.shard_range(self.rank)
-        if self.device.type == "cpu" and layout.padded_numel * 4 > self.slots.slot_bytes:  # larger than a slot:
-            slot, flat32 = None, device_io.mapped(layout.padded_numel, torch.float32)  # off the heap (mapped's why)
-        else:
-            slot, flat32 = self.slots.view(layout.padded_numel, torch.float32)  # in a slot where it fits (fp32)
-        flat32.zero_()
-        for p, o, n in zip(ps, layout.offsets, layout.numels):
-            initial_into(param_init, p, flat32[o: o + n].view(p.shape))  # built on meta: drawn in place
-            set_data(p, self._placeholder.expand(p.shape))  # frees the parameter's own (full) storage
-        unit.shard.copy_(flat32[lo:hi])
-        init = flat32[lo:hi].clone() if self.dtype != torch.float32 else None
-        del flat32
-        self.slots.give_back(slot)
-        pieces = [(ps[pc.index], pc.offset, pc.offset + pc.numel) for pc in layout.pieces(lo, hi)]
-        return OwnedSegment(unit.shard, unit.grad, pieces, init)
 
     # -- hooks ---------------------------------------------------------------------------------------------
     def _install_hooks(self) -> None:
