@@ -54,6 +54,7 @@ __all__ = [
     "PeakEstimate",
     "activation_bytes",
     "checkpoint_host_bytes",
+    "head_gemm_deferred",
     "in_flight_micro_batches",
     "korthikanti_layer_bytes",
     "model_state_bytes",
@@ -234,6 +235,19 @@ def weight_stash_bytes(model: ModelConfig, micro_batch: int, *, tp_size: int = 1
     return e * out
 
 
+def head_gemm_deferred(model: ModelConfig, micro_batch: int, tp_size: int = 1, pp_size: int = 1,
+                       virtual_stages: int = 1) -> bool:
+    """Whether the tied LM head's weight-gradient GEMM waits for the lookup's backward
+    (:meth:`TiedGrad.file <megazero.tensor_parallel.weight_grad.TiedGrad.file>`): where one chunk runs both uses of
+    the table (one pipeline stage, one chunk) and the GEMM's inputs, the logits [b·s, V/t] and the head's input
+    [b·s, h], are fewer elements than the table [V/t, h]: ``b·s·(V/t + h) < V/t·h``. Then no table gradient
+    exists from the head's backward to the lookup's; else the head makes it and it is held until then."""
+    if not (model.tied and pp_size == 1 and virtual_stages == 1):
+        return False
+    table = padded_vocab_size(model.vocab_size, tp_size) // tp_size
+    return micro_batch * model.seq_len * (table + model.hidden_size) < table * model.hidden_size
+
+
 def _timeline_activations(schedule: str, pp_size: int, pp_rank: int, micro_batches: int,
                           acts: Sequence[float], stashes: Sequence[float]) -> float:
     """The most bytes a rank holds between F and W: its timeline replayed with ``acts[c]`` per micro-batch of
@@ -323,9 +337,13 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
       ``overlap_comm`` (each reduction completes before the next bucket opens), ``max_inflight`` with it.
       ``bucket_numel`` None is :meth:`ZeroConfig.bucket_numel <megazero.config.schema.ZeroConfig.bucket_numel>`'s
       default for this rank's Ψ (stage 2: Ψ/16 over the buffers); stage 3: see below;
-    * transients: one layer's recomputation (:func:`recompute_bytes`) and the fresh gradient autograd makes
-      before it is accumulated -- of the largest parameter (on the last stage the tied embedding, whose
-      gradient the LM head's backward produces first) -- plus the gradient of the LM head's input, ``e·sbh``
+    * transients: one layer's recomputation (:func:`recompute_bytes`) and fresh gradients before they are
+      accumulated, the largest parameter's size: stages 0-2 file a bucket's fresh gradients until they reach the
+      largest parameter's size (``megazero/zero/bucketed.py``'s ``flush_numel``), a tied LM head's table gradient
+      (where the head makes it, not :func:`head_gemm_deferred`) is one; so the term stands whether the head's GEMM
+      waits or not (GPT-2 124M, seq 32, dp 4: 151 MB of block gradients filed at the stage-0 and stage-1 peaks)
+      but overcounts where fewer gradients arrive before a flush (tiny models, stage 2's small buckets) -- plus
+      the gradient of the LM head's input, ``e·sbh``
       (before the last pipeline stage: the gradient received; the output sent is freed once its send
       completes, before that gradient arrives at the start of backward: ``megazero/pipeline/executor.py``);
       where one call receives for several later actions (interleaved's units, zbv's ticks), the other
@@ -341,16 +359,21 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
     activations are freed).
 
     Stage 3 (:mod:`megazero.zero.stage3.params`) is followed through its backward, the largest of: as it begins
-    (the chunk's own units gathered, the next block prefetched, the LM head's fresh gradient of the tied
-    embedding); during each block's backward (that block and the next gathered, its gradients staged over its
-    own gathered parameters where the staging dtype is the model's, else one block's gradient staging, the
-    largest block parameter's fresh gradient, the head's gradient of the tied embedding held until the
-    embedding's backward adds to it, or the head GEMM's inputs where fewer; the chunk's own units are released by
-    then, and the activations of the blocks already done are freed); at each block's reduction (the block released, its
-    staging and, where the reduction dtype is wider than the model's, one converted chunk of the model
-    dtype's bytes, its owned part allocated); and at the embedding's backward (the table's one gradient, the
-    head's with the lookup's rows added in place, and the own units' staging, less that of own parameters larger
-    than a block, reduced from their gradient). With one micro-batch
+    (the chunk's own units gathered, the two block slots the forward filled, one holding the prefetched last block,
+    and the LM head's fresh gradient of the tied embedding -- unless :func:`head_gemm_deferred`: then no table
+    gradient exists until the lookup's backward, and the GEMM's inputs it waits with are the logits, overwritten
+    by their gradient, and the head's input, both counted in the activations); during each block's backward (that
+    block and the next gathered, its gradients staged over its own gathered parameters where the staging dtype is
+    the model's, else one block's gradient staging, the largest block parameter's fresh gradient, the head's
+    gradient of the tied embedding held until the embedding's backward adds to it, where the head made it; the
+    chunk's own units are released by then, and the activations of the blocks already done are freed); at each
+    block's reduction (the block released, its staging and, where the reduction dtype is wider than the model's,
+    one converted chunk of the model dtype's bytes, its owned part allocated); and at the embedding's backward:
+    the table's one gradient made (the head's with the lookup's rows added in place, or the deferred GEMM's, its
+    inputs still alive) with the own units' staging, less that of own parameters larger than a block, reduced
+    from their gradient; then that reduction, the owned part of such a unit allocated beside the table's gradient
+    and the head's activations freed (GPT-2 124M at seq 32, dp 4, fp32: the step's peak, 650.4 MB tracked, the
+    states and the table's gradient). With one micro-batch
     per step the owned gradient partition fills unit by unit as backward reduces it (:attr:`PeakEstimate.
     released` says what is not yet there, and the activations freed); with several it is whole from the
     second on. ``released`` is that difference from the sum of the other fields.
@@ -408,21 +431,25 @@ def peak_bytes(model: ModelConfig, micro_batch: int, *, stage: int, dp_size: int
     if v > 1:  # several chunks (interleaved, zbv): blocks by their (global) layer, later chunks' others apart
         numel = {(rest if rest.startswith("blocks.") or c == "0" else f"head.{rest}"): n
                  for (c, rest), n in ((k.split(".", 1), n) for k, n in numel.items())}
-    # a tied head whose GEMM inputs (the logits' gradient, its input) are fewer than the table holds those instead
-    # (TiedGrad runs the GEMM at the lookup's backward)
-    head_kept = micro_batch * s * (numel.get("wte.weight", 0) // h + h) if model.tied else 0
-    # zbv's LM head has its own copy of the tied embedding on rank 0: no gradient held across the chunk
+    # the head's gradient of the tied table, held from the head's backward to the lookup's (zbv's LM head has its
+    # own copy of the tied embedding on rank 0: no gradient held across the chunk); where the GEMM waits for the
+    # lookup (TiedGrad), what its closure holds beyond the activations: the head's input gathered under SP
+    deferred = head_gemm_deferred(model, micro_batch, tp_size, pp_size, v)
+    held = e * s * micro_batch * h * (1 - 1 / sp) if deferred else e * numel.get("wte.weight", 0)
+    head_act = activation_bytes(model, micro_batch, **common, layers=0, first_stage=False, last_stage=True)
     gathered, released = _stage3_backward(numel, persistence_threshold, e, eg, dp_size, micro_batches,
-                                          blocks_act, first, last and v == 1, pp_size, head_kept)
+                                          blocks_act, first, last and v == 1, pp_size, held, deferred, head_act)
     # the optimizer step works on owned slices: three fp32 tensors of the largest one at most
     return PeakEstimate(states, act, comm, transient + gathered, 3 * e * max(sizes) / dp_size, released)
 
 
 def _stage3_backward(numel: dict[str, int], threshold: int, e: int, eg: int, dp_size: int, micro_batches: int,
-                     blocks_act: float, first: bool, last: bool, pp_size: int, head_kept: int = 0
-                     ) -> tuple[float, float]:
+                     blocks_act: float, first: bool, last: bool, pp_size: int, held: float = 0.0,
+                     deferred: bool = False, head_act: float = 0.0) -> tuple[float, float]:
     """Stage 3's backward peak beyond the states, activations and the common transients of :func:`peak_bytes`
-    (its docstring): ``(bytes added, bytes released)`` at the largest of the moments it lists."""
+    (its docstring): ``(bytes added, bytes released)`` at the largest of the moments it lists. ``held``: what the
+    tied head leaves for the lookup's backward (its table gradient, or with ``deferred`` the GEMM's inputs beyond
+    the activations); ``head_act``: the last stage's activations outside the blocks (freed after its GEMM)."""
     big = {k: n for k, n in numel.items() if n > threshold}
     blocks: dict[str, float] = {}
     for k, n in big.items():
@@ -433,8 +460,7 @@ def _stage3_backward(numel: dict[str, int], threshold: int, e: int, eg: int, dp_
     block_param = max((n for k, n in big.items() if k.startswith("blocks.")), default=0)
     largest = max(numel.values())  # counted in the common transient: the fresh gradient at the head
     wte = big.get("wte.weight", 0)
-    # the head's gradient of the tied embedding (or the GEMM inputs it is made from, if fewer), until the lookup
-    held = e * (min(wte, head_kept) if head_kept else wte) if first and last else 0.0
+    held = held if first and last else 0.0  # until the lookup's backward
 
     def missing(reduced_blocks: float) -> float:  # owned gradient parts not yet reduced (one micro-batch)
         return eg * (root + (n_blocks - reduced_blocks) * block) / dp_size if micro_batches == 1 else 0.0
@@ -444,7 +470,11 @@ def _stage3_backward(numel: dict[str, int], threshold: int, e: int, eg: int, dp_
     own = 0 if es == e else es  # staged in the model dtype: in the block's own gathered buffer, no slot of its own
     # (added, released): as backward begins, during the i-th block's backward and at its reduction (the
     # block released, its owned part allocated), at the embedding's backward
-    moments = [(e * (root + block), missing(0))]
+    # as it begins: the own units gathered and the block slots the forward filled (the last block and the one it
+    # prefetched: the pool keeps both, megazero/zero/stage3/slots.py); the common transient's largest fresh gradient
+    # is the head's of the tied table, unless its GEMM waits for the lookup (deferred): then what that holds
+    start = e * (root + min(n_blocks, 2) * block) + (held - e * largest if deferred and first and last else 0)
+    moments = [(start, missing(0))]
     for i in range(n_blocks):
         prefetched = block if i < n_blocks - 1 else 0
         done = blocks_act * i / max(n_blocks, 1)
@@ -460,7 +490,11 @@ def _stage3_backward(numel: dict[str, int], threshold: int, e: int, eg: int, dp_
             whole[k.split(".")[1]] = whole.get(k.split(".")[1], 0) + n
     limit = max(whole.values(), default=0)
     apart = sum(n for k, n in big.items() if not k.startswith("blocks.") and limit and n > limit)
-    if first and wte:  # one table gradient (TiedGrad), tied or not
+    if first and wte:  # one table gradient (TiedGrad), tied or not: made (a deferred GEMM's inputs still held) ...
         added = e * wte + (es + chunk) * (root - apart) + chunk * apart - e * largest
-        moments.append((added, missing(n_blocks) + blocks_act))
+        moments.append((added + (held if deferred else 0.0), missing(n_blocks) + blocks_act))
+        # ... and reduce-scattered straight from it where it is a unit apart, its owned part allocated, the head's
+        # activations freed with the GEMM's closure (one micro-batch: the owned part is new)
+        owned_apart = eg * apart / dp_size if micro_batches == 1 else 0.0
+        moments.append((added, missing(n_blocks) - owned_apart + blocks_act + (head_act if last else 0.0)))
     return max(moments, key=lambda m: m[0] - m[1])
