@@ -22,6 +22,7 @@ from megazero.zero import ZeroOptimizer, grad_norm_weights
 from megazero.zero.bucketed import storage_bytes
 from megazero.zero.norm import NonFiniteGradientError
 from megazero.zero.stage3.params import GatherOrderError
+from megazero.zero.stage3.slots import SWAP
 from tests import launch
 from tests.common import outside_blocks
 from tests.dist import run_world
@@ -92,7 +93,7 @@ def expected_volume(run: Run, padded: dict[str, int], dp: int) -> int:
     w, g, m = padded["whole"], padded["gathered"], run.m
     r = 1 if run.zero.get("reduce_scatter", True) else 2  # an all-reduce instead of a reduce-scatter: 2x
     # one chunk: its own units (embeddings, final norm) are gathered once per micro-batch, not twice
-    g_own = padded["own"] if run.zero.get("stage3_max_reuse_distance", 1) > 0 else 0
+    g_own = padded["own"] if SWAP and run.zero.get("stage3_max_reuse_distance", 1) > 0 else 0  # (SWAP: parking)
     if run.stage == 0:
         return 2 * w
     if run.stage == 1:
@@ -217,7 +218,8 @@ def stage3_release_check(ctx) -> dict:
     master = opt.master_params()
     with opt.gathered_parameters():
         inside = all(torch.equal(p, master[k]) for k, p in model.named_parameters())
-    return {"units": len(units), "own_units": sum(u.is_root for u in units), "gathers_per_step": gathers, "max_gathered_in_forward": max(live),
+    return {"units": len(units), "own_units": sum(u.is_root for u in units), "gathers_per_step": gathers,
+            "max_gathered_in_forward": max(live),
             "gathered_after_step": sum(u.gathered for u in units), "inside_matches_master": inside,
             "outside_is_nan": bool(torch.isnan(weight).all()) and weight.shape == (4 * 32, 32)}
 
@@ -459,7 +461,7 @@ def test_dp_volume_matches_stage_formula(dp, world2, world4) -> None:
             assert got["volumes"] == [want] * STEPS, (run.name, got["volumes"], want)
             paper_case = run.m == 1 and (run.stage < 3 or run.zero == NO_PERSIST)
             if paper_case:  # the paper's figures on the unpadded parameter count
-                paper = 3 * got["psi"] - got["psi_own"] if run.stage == 3 else 2 * got["psi"]
+                paper = 3 * got["psi"] - SWAP * got["psi_own"] if run.stage == 3 else 2 * got["psi"]
                 assert abs(want - paper) / paper < 0.01, (run.name, want, paper)
 
 
@@ -602,12 +604,12 @@ def test_stages_0_1_reduce_during_the_last_micro_batch_into_persistent_buffers(w
 def test_stage3_gathers_each_unit_once_per_pass_and_releases(world2) -> None:
     """Without prefetch, each block's unit is all-gathered exactly once per forward and once per backward, the
     model's own unit (the tied embedding, the position table and the final norm) once per step: its backward
-    finds it parked with the forward's values (zero/stage3/gather.py, "Carry"); during a submodule's forward only it, the embedding and the root's own parameters are
-    gathered; after each step nothing is; reads outside the step see NaN placeholders of the right shape and
-    real values inside ``gathered_parameters()``."""
+    finds it parked with the forward's values (zero/stage3/gather.py, "Carry"); during a submodule's forward
+    only it, the embedding and the root's own parameters are gathered; after each step nothing is; reads
+    outside the step see NaN placeholders of the right shape and real values inside ``gathered_parameters()``."""
     for res in world2:
         got = res["s3-release"]
-        assert got["own_units"] == 1 and got["gathers_per_step"] == [2 * got["units"] - 1] * STEPS
+        assert got["own_units"] == 1 and got["gathers_per_step"] == [2 * got["units"] - SWAP] * STEPS
         assert got["max_gathered_in_forward"] <= 3
         assert got["gathered_after_step"] == 0
         assert got["outside_is_nan"] and got["inside_matches_master"]
@@ -656,5 +658,5 @@ def test_torchrun_memory_per_rank_falls_with_stage(subprocess_env, tmp_path) -> 
                                           "optimizer_states_bytes"))
             assert abs(states - formula[stage]) / formula[stage] < 0.01, (stage, rec)
         for rec in last["comm"]:
-            want = 3 * psi - psi_own if stage == 3 else 2 * psi
+            want = 3 * psi - SWAP * psi_own if stage == 3 else 2 * psi
             assert abs(rec["volume_elements_per_step"] - want) / want < 0.01, (stage, rec)

@@ -346,3 +346,23 @@ def test_the_dry_run_shows_zero_bytes_per_link() -> None:
     want = (1 + 4 / 256 + 4) / 2 * carried
     assert 0.99 * want < link["inter"] / link["intra"] < 1.03 * want
     assert "DP inter MB" in format_report(rep)
+
+
+def test_own_units_gather_in_forward_or_backward_by_the_schedule() -> None:
+    """A chunk's own units are gathered m times a step: a forward parks them, the next pass takes them back without
+    a gather, a backward frees them. So where each gather falls follows the rank's action order (hpZ moves only the
+    backward ones inside the node): 1F1B rank r of p with m micro-batches gathers in its first forward, in each
+    forward after a backward, and in each cool-down backward (m - (p - r - 1) forwards); ZB-H1 likewise; no
+    pipeline, every forward."""
+    from megazero.plan.search import Layout, own_forward_gathers
+
+    def lay(pp: int, **kw) -> Layout:
+        return Layout(tp=1, pp=pp, dp=2, zero_stage=3, micro_batch_size=1, **kw)
+
+    assert own_forward_gathers(lay(1), 0, 4) == 4
+    assert [own_forward_gathers(lay(2), r, 4) for r in (0, 1)] == [3, 4]  # F0 F1 B0 F2 B1 F3 B2 B3 on rank 0
+    assert [own_forward_gathers(lay(4), r, 8) for r in range(4)] == [5, 6, 7, 8]
+    assert [own_forward_gathers(lay(2, zero_bubble=True), r, 4) for r in (0, 1)] == [3, 4]
+    # hpZ: the backward's share inside the node, Ψ_own counted m times in all
+    inter, intra, _, _ = zeropp_bytes(100.0, 4, 4, 2, True, False, False, grad_bytes=2, own=10.0, own_forward=3)
+    assert intra == 2 * (4 * 90 + 1 * 10) and inter == 2 * (4 * 90 + 3 * 10) + 2 * 4 * 100

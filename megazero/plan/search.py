@@ -30,6 +30,7 @@ from megazero.config.schema import ModelConfig
 from megazero.distributed.context import RankGrid
 from megazero.observe.flops import flops_shape, megatron_model_flops
 from megazero.pipeline.partition import stage_specs
+from megazero.pipeline.schedules import build_schedule
 from megazero.plan.estimate import (
     in_flight_micro_batches,
     model_state_bytes,
@@ -39,8 +40,8 @@ from megazero.plan.estimate import (
 from megazero.plan.roofline import Cluster, StepTime, group_nodes, mfu, ring_kv_bytes, step_time
 from megazero.zero.grads import grad_dtype_for
 
-__all__ = ["CP_MIN_SEQ_LEN", "Layout", "Plan", "dp_volume", "evaluate", "layouts", "rank_dp_numels", "search",
-           "torchrun_command"]
+__all__ = ["CP_MIN_SEQ_LEN", "Layout", "Plan", "dp_volume", "evaluate", "layouts", "own_forward_gathers",
+           "rank_dp_numels", "search", "torchrun_command"]
 
 CP_MIN_SEQ_LEN = 8192  # sequences this long are also tried split over a CP group
 
@@ -137,15 +138,34 @@ def _numels(model: ModelConfig, tp: int, pp: int, rank: int, v: int, schedule: s
     return tuple(rank_parameter_numels(model, tp, pp, rank, virtual_stages=v, schedule=schedule).values())
 
 
-def rank_dp_numels(model: ModelConfig, lay: Layout, persistence_threshold: int = 100_000) -> tuple[float, float]:
-    """(Ψ_r, Ψ_own) of the pipeline rank with the most parameters: its elements, and of them those of its ZeRO-3
-    own units (0 where a rank runs several chunks), as :func:`evaluate` counts them for :func:`dp_volume`."""
-    best = (0.0, 0.0)
+def rank_dp_numels(model: ModelConfig, lay: Layout, persistence_threshold: int = 100_000) -> tuple[float, float, int]:
+    """(Ψ_r, Ψ_own, r) of the pipeline rank r that moves the most over DP: the most parameters, and of equals the
+    fewest of its ZeRO-3 own units (0 where a rank runs several chunks), as :func:`evaluate` counts them for
+    :func:`dp_volume`."""
+    best = (0.0, 0.0, 0)
     for r in range(lay.pp):
         psi = float(sum(_numels(model, lay.tp, lay.pp, r, lay.chunks, lay.schedule)))
         own = float(_own_numel(model, lay.tp, lay.pp, r, persistence_threshold)) if lay.chunks == 1 else 0.0
-        best = max(best, (psi, own))
+        if (psi, -own) > (best[0], -best[1]) or r == 0:
+            best = (psi, own, r)
     return best
+
+
+def own_forward_gathers(lay: Layout, rank: int, micro_batches: int) -> int:
+    """How many of a step's m gathers of a chunk's own ZeRO-3 units fall in forward passes on pipeline rank
+    ``rank`` (the rest in backward passes): a forward parks them and the next pass of either kind takes them back
+    without a gather, a backward frees them (``zero/stage3/gather.py``, "Carry"). m without a pipeline or where
+    every backward follows its own forward; 1 under GPipe; m - (pp - rank - 1) under 1F1B."""
+    if lay.pp == 1:
+        return micro_batches
+    parked, forward = False, 0
+    for a in build_schedule(lay.schedule, lay.pp, rank, micro_batches, lay.chunks):
+        if a.kind == "F":
+            forward += not parked
+            parked = True
+        elif a.kind == "B":
+            parked = False
+    return forward
 
 
 @lru_cache(maxsize=4096)

@@ -6,9 +6,10 @@ setting of hpZ (partition = the ZeRO ranks of a node), qwZ and qgZ moves, per ra
 (megazero/zero/qgz.py derives the one-micro-batch figures; scales at 4 bytes per block):
 
 * forward all-gather over the whole group: m·w·Ψ, or with qwZ m·(Ψ + 4Ψ/256) (INT8 + scales);
-* backward all-gather: the same over the whole group, or with hpZ m·w·Ψ inside the node, of Ψ - Ψ_own where a
-  rank runs one chunk (its own units, the embeddings, final norm and output layer, are carried from forward to
-  backward: ``zero/stage3/gather.py``);
+* backward all-gather: the same over the whole group, or with hpZ m·w·Ψ inside the node. Where a rank runs one
+  chunk its own units (embeddings, final norm, output layer: Ψ_own) are gathered m times a step, not 2m
+  (``zero/stage3/gather.py``, "Carry"): f of them in forwards, m - f in backwards, f from the rank's schedule
+  (:func:`~megazero.plan.search.own_forward_gathers`: m without a pipeline, fewer on early stages);
 * gradients: m·g·Ψ reduce-scattered over the whole group, or with qgZ an intra-node all-to-all of
   m·(Ψ/2 + 4Ψ/128) and an inter-node one of m·(Ψ/2 + 4Ψ/128)/L (INT4 + scales).
 
@@ -28,7 +29,7 @@ from dataclasses import dataclass, replace
 from megazero.config.precision import ELEMENT_BYTES
 from megazero.config.schema import ModelConfig
 from megazero.plan.roofline import Cluster, StepTime
-from megazero.plan.search import Layout, Plan, evaluate, rank_dp_numels
+from megazero.plan.search import Layout, Plan, evaluate, own_forward_gathers, rank_dp_numels
 from megazero.zero.grads import grad_dtype_for
 from megazero.zero.quantize import GRAD_BLOCK, WEIGHT_BLOCK
 
@@ -49,17 +50,19 @@ class ZeroppPlan:
     extra_bytes: float  # hpZ's secondary partition
 
 
-def zeropp_bytes(psi: float, m: int, local: int, nodes: int, hpz: bool, qwz: bool, qgz: bool,
-                 grad_bytes: int, w: int = 2, own: float = 0.0) -> tuple[float, float, float, list[tuple[str, float, int]]]:
+def zeropp_bytes(psi: float, m: int, local: int, nodes: int, hpz: bool, qwz: bool, qgz: bool, grad_bytes: int,
+                 w: int = 2, own: float = 0.0,
+                 own_forward: int | None = None) -> tuple[float, float, float, list[tuple[str, float, int]]]:
     """(inter per rank, intra per rank, inter per node, [(link, bytes per rank, ring size)]) per step (docstring);
-    ``own``: Ψ_own, the elements the backward does not gather again."""
+    ``own``: Ψ_own, gathered ``own_forward`` times in forwards (default m) and the rest of m in backwards."""
     nd = local * nodes
     spans = nodes > 1
-    fwd = m * (psi * (1 + 4 / WEIGHT_BLOCK) if qwz else w * psi)
-    back = psi - own
+    f = m if own_forward is None else own_forward
+    fwd_el, bwd_el = m * (psi - own) + f * own, m * (psi - own) + (m - f) * own
+    fwd = fwd_el * (1 + 4 / WEIGHT_BLOCK) if qwz else w * fwd_el
     parts = [("inter" if spans else "intra", fwd, nd)]
-    parts.append(("intra", m * w * back, local) if hpz and spans
-                 else ("inter" if spans else "intra", m * (back * (1 + 4 / WEIGHT_BLOCK) if qwz else w * back), nd))
+    parts.append(("intra", w * bwd_el, local) if hpz and spans
+                 else ("inter" if spans else "intra", bwd_el * (1 + 4 / WEIGHT_BLOCK) if qwz else w * bwd_el, nd))
     if qgz:
         hop = m * psi * (0.5 + 4 / GRAD_BLOCK)
         parts.append(("intra", hop, local))
@@ -109,12 +112,13 @@ def rank_zeropp(model: ModelConfig, lay: Layout, global_batch: int, c: Cluster, 
     w = ELEMENT_BYTES[precision]
     grad_bytes = grad_dtype_for(precision).itemsize  # as evaluate counts them: bf16 reduces in fp32 (DESIGN.md)
     m = global_batch // (lay.micro_batch_size * lay.dp)
-    psi, own = rank_dp_numels(model, lay)  # the rank evaluate's DP bytes come from
+    psi, own, rank = rank_dp_numels(model, lay)  # the rank that moves the most over DP
+    f = own_forward_gathers(lay, rank, m) if m else 0
     out = []
     for name, (hpz, qwz, qgz) in settings.items():
         if hpz and local == 1:  # no node partner to partition over: hpZ would be a whole 16-bit copy
             continue
-        inter, intra, node, parts = zeropp_bytes(psi, m, local, nodes, hpz, qwz, qgz, grad_bytes, w, own)
+        inter, intra, node, parts = zeropp_bytes(psi, m, local, nodes, hpz, qwz, qgz, grad_bytes, w, own, f)
         dp_s = _seconds(parts, local, c) * (1.0 - c.dp_overlap)
         t: StepTime = replace(base.time, dp_comm=dp_s)
         extra = w * psi / local if hpz and nodes > 1 else 0.0

@@ -24,11 +24,14 @@ it again for its backward).
 
 **Carry.** Where a chunk's own units are parked from a forward (**Buffers** below), their next gather finds the
 values it would all-gather already there, unless an optimizer step (:meth:`GatherScheduler.invalidate`) came in
-between, and runs no collective. Each micro-batch's forward parks them and its backward, or the forward after it,
-takes them back, while every backward frees them: a chunk's own units cost one all-gather per micro-batch, not
-two, whatever the schedule of one chunk per rank (GPipe, 1F1B, ZB-H1 or none). With ``stage3_max_reuse_distance``
-0 nothing is carried (DeepSpeed's meaning: reuse nothing). So the DP volume is 3mΨ for the blocks and 2mΨ for
-the chunk's own units (embeddings, final norm, an untied head; 3mΨ where a rank runs several chunks).
+between (or any other write to the unit's shard: its version is kept), and runs no collective. Each
+micro-batch's forward parks them and its backward, or the forward after it, takes them back, while every backward
+frees them: a chunk's own units cost one all-gather per micro-batch, not two, whatever the schedule of one chunk
+per rank (GPipe, 1F1B, ZB-H1 or none; which passes gather depends on the schedule: ``plan/zeropp.py``). Any
+positive ``stage3_max_reuse_distance`` (DeepSpeed's default is 1e9) allows it, however many elements are gathered
+in between (the memory is held anyway); 0 carries nothing. So the DP volume is 3mΨ for the blocks and 2mΨ for the
+chunk's own units (embeddings, final norm, an untied head; 3mΨ where a rank runs several chunks).
+``gathered_parameters()`` releases what it gathered without parking it (its caller may write the values).
 
 **Buffers.** A block unit is gathered into a slot of the store's :class:`~megazero.zero.stage3.slots.SlotPool`
 (a chunk's own units into memory of their own, per use, parked from the end of a forward with a graph to the
@@ -106,8 +109,8 @@ class GatherScheduler:
         self.chunk_units: dict[int, set[int]] = {}  # chunk -> its units' ids
         for u in units:
             self.chunk_units.setdefault(u.chunk, set()).add(u.uid)
-        # units parked since a gather of the current parameters ("Carry" in the module docstring)
-        self.carry: set[int] = set()
+        # uid -> its shard's version when parked from a gather of the current parameters ("Carry", module docstring)
+        self.carry: dict[int, int] = {}
         self.unused: set[int] | None = None  # a backward: its chunk's units it has not used yet
         # a chunk's own units are parked from its forward to its backward only where the rank runs one chunk: with
         # several (interleaved, zbv) another chunk's backward may run in between, which would hold them too
@@ -196,8 +199,7 @@ class GatherScheduler:
         self.gathered[unit.uid] = unit
         self.live += unit.numel
         self.peak_live = max(self.peak_live, self.live)
-        carried = unit.uid in self.carry
-        self.carry.discard(unit.uid)
+        carried = self.carry.pop(unit.uid, None) == unit.shard._version  # (an unseen write to the shard: gather)
         if restored and carried and self.phase != HOLD:  # its parked memory holds the current values: no gather
             return
         sec = self.secondary if self.phase != HOLD else None
@@ -245,7 +247,7 @@ class GatherScheduler:
         elif unit.is_root and self.phase == FWD and self.park_roots and torch.is_grad_enabled():
             self.slots.park(unit.full.untyped_storage())  # its backward gathers it next (:mod:`.slots`, "Parking")
             if self.reuse_distance > 0 and self.slots.parked(unit.full.untyped_storage()):
-                self.carry.add(unit.uid)  # gathered in this forward from the current shards
+                self.carry[unit.uid] = unit.shard._version  # gathered in this forward from the current shards
         else:
             self.slots.empty(unit.full.untyped_storage())
         for p in unit.params:
@@ -321,8 +323,10 @@ class GatherScheduler:
         """Undo one :meth:`gather_all`; the outermost releases every unit."""
         self.hold = max(0, self.hold - 1)
         if self.hold == 0:
+            saved, self.phase = self.phase, HOLD  # released, not parked: the caller may have written the values
             for u in self.units:
                 self.release(u)
+            self.phase = saved
 
     # -- the order check -------------------------------------------------------------------------------------
     def check(self, unit: Unit) -> None:

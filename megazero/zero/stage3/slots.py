@@ -12,7 +12,7 @@ keeps in its heap after the first free, and CUDA's caching allocator splits and 
 
 Slots are ``slot_bytes`` each (the largest block unit's need, set by the store) and serve the block units only:
 their buffers all have that size, so nothing is rounded up. A chunk's own units (embeddings, final norm) differ
-in size from a block, larger or much smaller, and are gathered twice per micro-batch: they are not lent a slot
+in size from a block, larger or much smaller, and are used at both ends of a pass: they are not lent a slot
 (that would hold a block's bytes for a LayerNorm, and the estimator's peak would no longer be the tracker's) but
 allocated at their own size, once per micro-batch where they can be parked (below). Slots are created when none
 is idle, so the pool grows to the most borrowed at once (the buffers a step held at that moment anyway). Once a
