@@ -342,6 +342,58 @@ def test_a_host_adam_failing_on_one_rank_raises_on_every_rank():
         assert same[0] == same[1] and "this rank's" not in same[0], same
 
 
+def _model_parallel_runs(ctx) -> dict:
+    """On a dp 1 x tp 2 world (DP collectives are no-ops, so only the model-parallel group carries the flags): rank
+    0's host Adam failing at step 2 of 3 (:func:`_failing_runs`), and an fp16 run with the delay whose step 2
+    overflows while step 1's update is pending: the all-reduces that step made, counted in the ledger by tag."""
+    from megazero.zero import ZeroOptimizer
+
+    out = {"failing": _failing_runs(ctx, [((0,), 2, 3)])}
+    with device_io.use(device_io.EmulatedHost("cpu")):
+        model = _model()
+        zero = ZeroConfig(stage=2, offload_optimizer="cpu", offload_delayed_update=True)
+        opt = ZeroOptimizer(model, zero, OPT, ctx.dp_cp_group, norm_group=ctx.mp_group, precision="fp16")
+        ledgers = list({id(g.ledger): g.ledger for g in (ctx.dp_cp_group, ctx.mp_group)}.values())
+        for s, x in enumerate(_batches(3), start=1):
+            opt.zero_grad()
+            loss = _loss(model, x)
+            opt.backward(loss * float("inf") if s == 2 else loss)
+            before = [dict(ledger.calls) for ledger in ledgers]
+            stats = opt.step(LR)
+            if s == 2:
+                out["skipped"], out["landed"] = stats.skipped, not opt.host.pending
+                out["all_reduces"] = {tag: n - b.get((g, op, tag), 0) for ledger, b in zip(ledgers, before)
+                                      for (g, op, tag), n in ledger.calls.items()
+                                      if op == "all_reduce" and n > b.get((g, op, tag), 0)}
+        opt.flush()
+    return out
+
+
+def test_failure_flags_cross_the_model_parallel_group_and_a_skipped_step_adds_no_all_reduce():
+    """dp 1 x tp 2: rank 0's host Adam fails at step 2, and both ranks raise DelayedUpdateError in step 3, naming rank
+    0 (the flags crossed the model-parallel group: with them summed over DP only, rank 1 went on alone). An fp16
+    overflow-skip step with an update pending lands it on the flags its norm carried: its only all-reduce is the
+    norm's (the agreement of a flush, one more all-reduce and host read, is not repeated there)."""
+    per_rank = run_world(_model_parallel_runs, 2, tp=2, timeout=60, dist_timeout=600)
+    for r, res in enumerate(per_rank):
+        fail = res["failing"][0]
+        assert fail["at"] == 3 and fail["error"] == "DelayedUpdateError", (r, fail)
+        assert "failed on rank 0 (" in fail["message"] and "optimizer step 2 " in fail["message"], (r, fail)
+        assert fail["cause"] == ("MemoryError" if r == 0 else None), (r, fail)
+        assert res["skipped"] and res["landed"], (r, res)
+        assert res["all_reduces"] == {"norm": 1}, (r, res)
+
+
+def test_the_delayed_update_needs_sharded_optimizer_states():
+    """A ZeroOptimizer built directly (not through config/resolve.py) at stage 0 with the delay refuses it: the
+    failure flags ride on the norm's all-reduce over DP, which stage 0 does not make."""
+    from megazero.zero import ZeroOptimizer
+
+    zero = ZeroConfig(stage=0, offload_optimizer="cpu", offload_delayed_update=True)
+    with device_io.use(device_io.EmulatedHost("cpu")), pytest.raises(ValueError, match="needs ZeRO stage 1-3"):
+        ZeroOptimizer(_model(), zero, OPT, Group("solo", [0], None))
+
+
 def test_the_delayed_update_thread_leaves_a_core_where_a_gpu_is_the_device(monkeypatch):
     """Measured inside the host Adam calls (torch's intra-op threads there), with host_threads() at 3: where a GPU
     is the device, the delayed updates' thread runs on 2 and the synchronous first step on the main thread on 3;

@@ -289,10 +289,10 @@ def test_construction_frees_no_temporary():
     straight into its flat buffer or stage-3 slot, to the same values as ``init_parameters`` on a model built with
     storage; in bf16 beside the flat buffer in mapped memory, and the owned slices' fp32 starting values are laid
     out as the master, which takes them as they are: at stage 3 the persistent parameters' and every unit's in one
-    buffer; a clone per unit, copied into the master, freed 335,360 bytes per rank here, about 4Ψ/N_d), so no freed heap is left under the
-    buffers that stay. Drawn
-    into fresh tensors and copied instead (a ``param_init`` without ``into``), construction frees at least twice
-    the bytes of those parameters each time (the draw and ``* std``; the padded and sliced copies beside)."""
+    buffer; a clone per unit, copied into the master, freed 335,360 bytes per rank here, about 4Ψ/N_d), so no freed
+    heap is left under the buffers that stay. Drawn into fresh tensors and copied instead (a ``param_init`` without
+    ``into``), construction frees at least twice the bytes of those parameters each time (the draw and ``* std``;
+    the padded and sliced copies beside)."""
     for got in run_world(_construction_frees, 2, timeout=240):
         for (stage, precision, into), (freed, weights, same) in got.items():
             assert same, (stage, precision, into)

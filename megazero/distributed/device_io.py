@@ -168,9 +168,10 @@ def release_free_memory(device: torch.device) -> None:
     initial value straight into the buffer that keeps it (:mod:`megazero.model.init`; a TP shard cut from the
     stream through a small mapped scratch, a 16-bit model's fp32 starting values laid out as the master), so it
     leaves no freed heap behind live allocations with glibc's defaults (bench/README.md, "ZeRO's process peak";
-    tests/test_zero_rss.py counts the bytes construction frees). Not yet so: under optimizer offload in a 16-bit
-    dtype the fp32 starting values (4Ψ/N_d; 4Ψ at stage 0) are copied into the host master and freed. Buffers
-    used again and again are allocated once (ZeRO-3's slots), so nothing is needed per step."""
+    tests/test_zero_rss.py counts the bytes construction frees, on the CPU: on CUDA a blocking copy from host fp32
+    into a 16-bit device buffer may convert through a host temporary, unchecked). Not yet so: under optimizer
+    offload (stages 1-3) in a 16-bit dtype the fp32 starting values (4Ψ/N_d) are copied into the host master and
+    freed. Buffers used again and again are allocated once (ZeRO-3's slots), so nothing is needed per step."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
 

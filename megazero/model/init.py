@@ -83,7 +83,8 @@ def _draw_shard(spec: ShardSpec, out: torch.Tensor, generator: torch.Generator, 
                 chunk: int = 1 << 14) -> None:
     """:func:`initial_value`'s TP shard written into ``out`` (contiguous fp32 on the CPU) without the full value:
     the generator's stream is replayed in pieces of ``chunk`` elements through one scratch in mapped memory, and
-    this rank's elements copied out of each piece.
+    this rank's elements copied out of each piece (the outer indices whose whole row of the full value lies in
+    a piece through 2-D views, one copy per run), then scaled by ``std`` at once (the padding is zero).
 
     Bit for bit the full draw's values, by how the CPU's ``normal_`` fills a float tensor of n >= 16 elements:
     one 32-bit draw per element in order, turned into normals 16 elements at a time (pairs ``j``, ``j + 8``),
@@ -100,12 +101,23 @@ def _draw_shard(spec: ShardSpec, out: torch.Tensor, generator: torch.Generator, 
             flat[at: at + b - a].fill_(1.0 if spec.init == "ones" else 0.0)
         return
     size, chunk = math.prod(spec.full_shape), max(16, chunk // 16 * 16)
+    outer = math.prod(spec.full_shape[: spec.partition_dim])
+    per, row, local = len(runs) // outer, size // outer, flat.numel() // outer  # runs, elements per outer index
+    rows = flat.view(outer, local)
     scratch = device_io.mapped(min(chunk + 16, size), torch.float32)  # off the heap, unmapped when it dies
     c, i, end = 0, 0, max((b for _, b, _ in runs), default=0)
     while c < end:
         e = size if size - c < chunk + 16 else c + chunk  # the last piece runs to the end (16 to chunk + 15)
         piece = scratch[: e - c].normal_(0.0, 1.0, generator=generator)
         while i < len(runs) and runs[i][0] < e:
+            o = i // per
+            n = min(e // row, outer) - o  # outer indices whose whole row lies in this piece (from run i's)
+            if i % per == 0 and o * row >= c and n > 0:  # their runs: one copy per run, through 2-D views
+                whole = piece[o * row - c: (o + n) * row - c].view(n, row)
+                for a, b, at in runs[i: i + per]:
+                    rows[o: o + n, at - o * local: at - o * local + b - a].copy_(whole[:, a - o * row: b - o * row])
+                i += n * per
+                continue
             a, b, at = runs[i]
             lo, hi = max(a, c), min(b, e)
             flat[at + lo - a: at + hi - a].copy_(piece[lo - c: hi - c])
@@ -113,8 +125,7 @@ def _draw_shard(spec: ShardSpec, out: torch.Tensor, generator: torch.Generator, 
                 break
             i += 1
         c = e
-    for a, b, at in runs:
-        flat[at: at + b - a].mul_(spec.std)
+    flat.mul_(spec.std)  # (the padding is zero)
 
 
 @torch.no_grad()
@@ -122,9 +133,10 @@ def write_initial_value(out: torch.Tensor, p: nn.Parameter, name: str, seed: int
                         tp_group: Group | None = None) -> None:
     """Write :func:`initial_value` into ``out`` (``p``'s shape, any dtype and device; rounded to its dtype).
 
-    In place, without a temporary, where ``out`` is contiguous fp32 on the CPU and this rank's slice is the
-    whole (padded) tensor: the draw fills the real rows, the padding rows (after them along ``partition_dim``
-    0) are zeroed. Otherwise the value is drawn and sliced as :func:`initial_value` does, then copied."""
+    In place, without a temporary, where ``out`` is contiguous fp32 on the CPU: where this rank's slice is the
+    whole (padded) tensor the draw fills the real rows and the padding rows (after them along ``partition_dim``
+    0) are zeroed; a TP shard is drawn without the full value (:func:`_draw_shard`). Into another dtype or
+    device the value is written so into mapped host memory (off the heap), then copied (rounded) into ``out``."""
     spec = p.shard_spec
     tp_size, tp_rank = tp_size_rank(tp_group)
     dim = spec.partition_dim

@@ -17,11 +17,22 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["NonFiniteGradientError", "StepStats", "grad_norm_weights"]
+from megazero.config.schema import OptimizerConfig
+
+__all__ = ["NonFiniteGradientError", "StepStats", "grad_norm_weights", "skipped_steps_error"]
 
 
 class NonFiniteGradientError(FloatingPointError):
     """Too many consecutive steps had a non-finite gradient norm (see :meth:`ZeroOptimizer.check_skipped_steps`)."""
+
+
+def skipped_steps_error(skips: int, step: int, cfg: OptimizerConfig) -> NonFiniteGradientError:
+    """The error every rank raises after ``skips`` (>= ``cfg.max_skipped_steps``) skipped steps in a row, the last
+    at ``step``: what to change."""
+    return NonFiniteGradientError(
+        f"the gradient norm was not finite in {skips} consecutive steps (the last at step {step}), so each was "
+        f"skipped; the run is diverging: lower the learning rate (--lr, now {cfg.lr:g}), lengthen --warmup-steps, "
+        f"keep --clip-grad on, or raise --max-skipped-steps ({cfg.max_skipped_steps}) to tolerate more")
 
 
 @dataclass

@@ -61,10 +61,11 @@ at the end of step t + 1. The exact semantics, with θ_t the master after step t
   all-gather) and wait there until the collective timeout. So the ranks agree first. Before its gradient norm is
   summed, a step joins the pending update (:meth:`settle`; it used to be joined after the step's host read: the
   device keeps computing either way) and appends a failure flag, one fp64 slot per rank (:meth:`with_flags`), to
-  the norm's all-reduce over DP (stages 1-3 make it) and the model-parallel group: no new collective and no new
-  host read, as the norm the step reads is -1 when a flag is set (:meth:`fold_flags`). Every rank then raises the
-  same :class:`DelayedUpdateError` naming the failing ranks (the failing rank chains its own error) and drops the
-  update: nothing lands, nothing is all-gathered. A flush agrees through one all-reduce of the flags alone and a
+  the norm's all-reduce over DP (stages 1-3 make it: :func:`host_offload` refuses stage 0) and the model-parallel
+  group: no new collective and no new host read, as the norm the step reads is -1 when a flag is set
+  (:meth:`fold_flags`). Every rank then raises the same :class:`DelayedUpdateError` naming the failing ranks (the
+  failing rank chains its own error) and drops the update: nothing lands, nothing is all-gathered. A skipped step
+  lands the pending update on that agreement too. A flush agrees through one all-reduce of the flags alone and a
   read (:meth:`agree`; it is off the step's path). The run resumes from its last checkpoint: a failed rank's
   master may hold part of an update.
 * **Cores.** The thread runs Adam on :func:`~megazero.zero.host_adam.host_threads` intra-op threads on the CPU
@@ -79,16 +80,17 @@ import threading
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
+from megazero.config.schema import ZeroConfig
 from megazero.distributed import device_io
 from megazero.distributed.group import Group
 from megazero.zero.adam import ADAM_CHUNK
+from megazero.zero.bucketed import sharded_state
 from megazero.zero.flat import OwnedSegment
 from megazero.zero.grads import OwnedGrads
 from megazero.zero.host_adam import StagedGrads, host_threads, using_threads
 
-__all__ = ["DelayedUpdateError", "HostOffload"]
+__all__ = ["DelayedUpdateError", "HostOffload", "host_offload"]
 
 SUB_GROUP = ADAM_CHUNK  # elements per pipelined sub-group (read when a HostOffload is made; tests shrink it)
 
@@ -99,12 +101,15 @@ class HostOffload:
     ``pin``: page-locked host memory and asynchronous copies (a GPU is present); ``chunk``: elements per
     sub-group (default :data:`SUB_GROUP`); ``threads``: intra-op threads of the host Adam (None:
     :func:`~megazero.zero.host_adam.host_threads` at each step, one fewer on the delayed update's thread where
-    ``gpu``: the device is a GPU)."""
+    ``gpu``: the device is a GPU). ``rank`` (this process's global rank), ``slot`` and ``slots``: where this rank
+    writes its failure flag among the ``slots`` the flags are summed over (:meth:`failure_flags`)."""
 
     def __init__(self, pin: bool, chunk: int | None = None, threads: int | None = None,
-                 stage_out: bool = False, delayed_after: int | None = None, gpu: bool = False) -> None:
+                 stage_out: bool = False, delayed_after: int | None = None, gpu: bool = False,
+                 rank: int = 0, slot: int = 0, slots: int = 1) -> None:
         self.pin = pin
         self.gpu = gpu
+        self.rank, self.slot, self.slots = rank, slot, slots
         self.chunk = chunk or SUB_GROUP
         self.threads = threads
         # cast the copy-back on the host through two pinned model-dtype chunks (False: copy from the master)
@@ -228,14 +233,14 @@ class HostOffload:
         return self._worker.error if self._worker is not None else None
 
     def failure_flags(self, device: torch.device) -> torch.Tensor:
-        """Join the pending delayed update and return this rank's failure flags: fp64 zeros on ``device``, one per
-        rank of the world, with a 1 at this rank's when its update raised. Summed over DP and the model-parallel
-        group (beside the gradient norm), they say on every rank which ranks failed (:func:`failed_ranks`)."""
+        """Join the pending delayed update and return this rank's failure flags: ``slots`` fp64 zeros on ``device``,
+        one per rank the flags are summed over, holding this rank's global rank + 1 at its ``slot`` when its update
+        raised. Summed over DP and the model-parallel group (beside the gradient norm), they say on every rank which
+        ranks failed (:func:`failed_ranks`)."""
         failed = self.settle() is not None
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        flags = torch.zeros(world, dtype=torch.float64, device=device)
+        flags = torch.zeros(self.slots, dtype=torch.float64, device=device)
         if failed:
-            flags[rank] = 1.0
+            flags[self.slot] = float(self.rank + 1)
         return flags
 
     def with_flags(self, sq: torch.Tensor) -> torch.Tensor:
@@ -368,8 +373,29 @@ class DelayedUpdateError(RuntimeError):
 
 
 def failed_ranks(flags: Sequence[float]) -> list[int]:
-    """The ranks whose slot in the summed failure flags (:meth:`HostOffload.failure_flags`) is set."""
-    return [r for r, f in enumerate(flags) if f > 0]
+    """The global ranks set in the summed failure flags (:meth:`HostOffload.failure_flags`: rank + 1 per slot)."""
+    return sorted(int(f) - 1 for f in flags if f > 0)
+
+
+def host_offload(cfg: ZeroConfig, dp_group: Group, norm_group: Group | None) -> HostOffload | None:
+    """The optimizer's host side as ``cfg`` asks (None without ``offload_optimizer: cpu``): pinned where a GPU is
+    present and asked; the delayed update after ``offload_delayed_update_after`` steps, its thread leaving the main
+    thread a core where the device (``dp_group``'s) is a GPU, its failure flags one slot per rank of DP x the
+    model-parallel group (``norm_group``), placed by the groups' ranks (no torch.distributed here).
+
+    The delayed update needs partitioned optimizer states (stages 1-3): the flags are summed over DP inside the
+    gradient norm's all-reduce, which stage 0 does not make over DP (config/resolve.py refuses it too)."""
+    if cfg.offload_optimizer != "cpu":
+        return None
+    delayed = cfg.offload_delayed_update_after if cfg.offload_delayed_update else None
+    if delayed is not None and not sharded_state(cfg.stage).optimizer_states:
+        raise ValueError(f"the delayed update (offload_delayed_update, --offload-delayed-update) needs ZeRO stage 1-3, "
+                         f"got stage {cfg.stage}: its failure flags ride on the gradient norm's all-reduce over DP, "
+                         f"which stage 0 does not make; raise the stage or turn the delayed update off")
+    mp_rank, mp = (norm_group.rank, norm_group.size) if norm_group is not None else (0, 1)
+    return HostOffload(cfg.offload_optimizer_pin_memory and torch.cuda.is_available(), delayed_after=delayed,
+                       gpu=dp_group.device.type == "cuda", rank=dp_group.global_rank(dp_group.rank),
+                       slot=mp_rank * dp_group.size + dp_group.rank, slots=mp * dp_group.size)
 
 
 def delayed_update_error(ranks: Sequence[int], step: int, own: BaseException | None) -> DelayedUpdateError:

@@ -67,8 +67,8 @@ from megazero.zero.adam import ADAM_CHUNK, adam_update
 from megazero.zero.bucketed import BucketedParams, sharded_state
 from megazero.zero.grads import OwnedGrads, grad_dtype_for
 from megazero.zero.loss_scaler import make_loss_scaler
-from megazero.zero.norm import NonFiniteGradientError, StepStats
-from megazero.zero.offload import HostOffload
+from megazero.zero.norm import StepStats, skipped_steps_error
+from megazero.zero.offload import host_offload
 from megazero.zero.stage3.split import input_backward
 from megazero.zero.state import OwnedRun, OwnedState
 from megazero.zero.store import build_store, claim, gathered, local_tied_pairs, walk
@@ -143,10 +143,7 @@ class ZeroOptimizer:
         self._comm_device = dp_group.device  # where the norm collectives run (the device even under offload)
         self._grads: OwnedGrads | None = None  # this step's owned gradients, prepare_step -> finish/launch_step
         self.offload = zero_cfg.offload_optimizer == "cpu"
-        pin = zero_cfg.offload_optimizer_pin_memory and torch.cuda.is_available()
-        delayed = zero_cfg.offload_delayed_update_after if zero_cfg.offload_delayed_update else None  # (resolve: offload)
-        gpu = self._comm_device.type == "cuda"  # (the delayed update's thread leaves the main thread a core)
-        self.host = HostOffload(pin, delayed_after=delayed, gpu=gpu) if self.offload else None
+        self.host = host_offload(zero_cfg, dp_group, norm_group)  # (the delayed update: stages 1-3, else ValueError)
         self.mixed = self.dtype != torch.float32
         # parameter shards in host memory without optimizer offload: the fp32 master and the moments stay on the
         # device with the gradients (one device in the Adam call), the master apart from the host shards even in
@@ -305,7 +302,7 @@ class ZeroOptimizer:
             self.host.raise_failure(self.step_count)
         scale = self.scaler.scale if self.scaler is not None else 1.0
         if not math.isfinite(sq):  # every rank saw the same non-finite sum: all skip
-            self.flush()  # (offload's delayed update: the previous step's still lands at this boundary)
+            self._land()  # (the delayed update: the previous step's lands; this norm carried its flags, unset)
             self.skipped_steps += 1
             if self.scaler is not None:
                 self.scaler.update(overflow=True)
@@ -385,27 +382,26 @@ class ZeroOptimizer:
 
     def flush(self) -> bool:
         """Land offload's pending delayed update, if any, once the ranks agreed it succeeded (:meth:`HostOffload.agree
-        <megazero.zero.offload.HostOffload.agree>`, then ``land`` and the parameters' all-gather over ``dp_group``;
-        every rank has the same pending state). Returns whether one was pending. The loop calls it before an
-        evaluation, samples, a checkpoint and at the end; the state reads below call it too."""
+        <megazero.zero.offload.HostOffload.agree>`, a collective over ``dp_group`` and ``norm_group``; then
+        :meth:`_land`; every rank has the same pending state). Returns whether one was pending. The loop calls it
+        before an evaluation, samples, a checkpoint and at the end; the state reads below call it too."""
         if self.host is None or not self.host.pending:
             return False
         self.host.agree(self._comm_device, (self.dp_group, self.norm_group), self.step_count)
-        self.host.land(self.state.master, self.store.segments, self.state.starts)
-        self.store.after_step()
+        self._land()
         return True
+
+    def _land(self) -> None:
+        """Land a pending delayed update already agreed on (a skipped step's norm carried the flags), all-gather."""
+        if self.host is not None and self.host.land(self.state.master, self.store.segments, self.state.starts):
+            self.store.after_step()
 
     def check_skipped_steps(self, step: int) -> None:
         """Raise :class:`NonFiniteGradientError` once ``OptimizerConfig.max_skipped_steps`` steps in a row (0:
         never) were skipped for a non-finite gradient norm without a loss scaler. Every rank skipped the same
         steps, so every rank raises; ``step`` (the last step run) goes into the message."""
-        limit = self.opt_cfg.max_skipped_steps
-        if limit and self.consecutive_skips >= limit:
-            raise NonFiniteGradientError(
-                f"the gradient norm was not finite in {self.consecutive_skips} consecutive steps (the last at step "
-                f"{step}), so each was skipped; the run is diverging: lower the learning rate (--lr, now "
-                f"{self.opt_cfg.lr:g}), lengthen --warmup-steps, keep --clip-grad on, or raise "
-                f"--max-skipped-steps ({limit}) to tolerate more")
+        if self.opt_cfg.max_skipped_steps and self.consecutive_skips >= self.opt_cfg.max_skipped_steps:
+            raise skipped_steps_error(self.consecutive_skips, step, self.opt_cfg)
 
     @torch.no_grad()
     def _adam(self, g: OwnedGrads, lr: float, found_inf: torch.Tensor | None = None) -> None:
@@ -436,22 +432,25 @@ class ZeroOptimizer:
 
     # -- inspection ----------------------------------------------------------------------------------------
     def master_params(self) -> dict[str, torch.Tensor]:
-        """The full fp32 master value of every trainable parameter, by name (a collective over ``dp_group``)."""
+        """The full fp32 master value of every trainable parameter, by name (a collective over ``dp_group``; a
+        pending delayed update's :meth:`flush` also over ``norm_group``)."""
         self.flush()
         return self.state.master_params(self.model, self._comm_device)
 
     def gathered_parameters(self) -> Iterator[None]:
         """A context manager: inside the block every model parameter holds its whole (model-dtype) value; a
-        collective over ``dp_group`` at stage 3, free otherwise (:func:`~megazero.zero.store.gathered`). At stage
-        3 that is the whole replica at once: the engine's evaluation, export and checks never use it (forwards
-        gather block by block through the hooks, :meth:`gathered_units` walks units); tests and small models do."""
+        collective over ``dp_group`` at stage 3, free otherwise (:func:`~megazero.zero.store.gathered`; a pending
+        delayed update's :meth:`flush`: over ``norm_group`` too). At stage 3 that is the whole replica at once: the
+        engine's evaluation, export and checks never use it (forwards gather block by block through the hooks,
+        :meth:`gathered_units` walks units); tests and small models do."""
         self.flush()
         return gathered(self.store)
 
     def gathered_units(self, params: Sequence[nn.Parameter] | None = None) -> Iterator[list[nn.Parameter]]:
         """Lists of trainable parameters (only ``params``, when given), each holding its whole value until the
         loop moves on: the whole model at once at stages 0-2, one gather unit at a time at stage 3 (a collective
-        over ``dp_group``; :func:`~megazero.zero.store.walk`). What export and the tied-embedding check use: it
+        over ``dp_group``; :func:`~megazero.zero.store.walk`; with a pending delayed update, :meth:`flush` is one
+        over ``dp_group`` and ``norm_group``). What export and the tied-embedding check use: it
         never holds more than two units, where :meth:`gathered_parameters` holds the whole replica."""
         self.flush()
         return walk(self.store, params)
@@ -487,7 +486,8 @@ class ZeroOptimizer:
         ``master``/``exp_avg``/``exp_avg_sq`` values per run, or the triples :meth:`state_dict` returns).
 
         The model's parameters become the master values rounded to the model dtype, and sharded parameters
-        are all-gathered: a collective over ``dp_group`` that every rank must join.
+        are all-gathered: a collective over ``dp_group`` that every rank must join (and over ``norm_group`` too
+        where a delayed update is pending: :meth:`flush` agrees on it first).
         """
         self.flush()  # (a pending delayed update would write the master while it is loaded)
         self.state.load(state["owned"])

@@ -158,8 +158,9 @@ class OwnedState:
 
 
 def _one_buffer(inits: list[torch.Tensor | None], numel: int) -> bool:
-    """Whether ``inits`` lie end to end over one whole buffer of ``numel`` fp32 elements from its start (stages 1-2
-    lay the owned slices' starting values out so: that buffer can be the master as it is)."""
+    """Whether ``inits`` lie end to end over one whole buffer of ``numel`` fp32 elements from its start (every stage
+    in 16 bits lays the owned slices' starting values out so, stage 3 its persistent stores' and units' in one
+    buffer: that buffer can be the master as it is)."""
     if not inits or any(t is None for t in inits) or inits[0].storage_offset() != 0:
         return False
     if inits[0].untyped_storage().nbytes() != numel * 4 or inits[0].dtype != torch.float32:
