@@ -5,8 +5,10 @@ parity with an independent plain-PyTorch reference that applies each step's Adam
 negative control: the undelayed reference does not match); the flush (parameters, moments and step count of one
 step, and a checkpoint resumed mid-run that trains exactly like the uninterrupted run); the overlap itself,
 from timestamps taken inside the host Adam calls and around the next step's backward, with DPU off as the
-negative control; a host Adam that raises on one rank of two raises the same error on both (none hangs); and the
-thread's intra-op threads (one fewer where a GPU is the device).
+negative control; a host Adam that raises on one rank of two raises the same error on both (none hangs), at dp 2
+and at dp 1 x tp 2 (the flags cross the model-parallel group); an fp16 overflow-skip step lands a pending update
+with no all-reduce beyond its norm's; stage 0 is refused; and the thread's intra-op threads (one fewer where a GPU
+is the device).
 """
 
 from __future__ import annotations
