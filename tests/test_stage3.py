@@ -20,7 +20,7 @@ from megazero.config.cli import parse_args
 from megazero.model.gpt import GPT, init_parameters
 from megazero.train.engine import Engine
 from megazero.zero.stage3.slots import SWAP
-from tests.common import assert_matches_reference, merge_runs, normwise_error, train_runs
+from tests.common import assert_matches_reference, merge_runs, normwise_error, outside_blocks, train_runs
 from tests.dist import run_world
 
 FLAGS = ["--hidden-size", "64", "--num-heads", "4", "--seq-len", "32", "--vocab-size", "512", "--lr", "3e-3",
@@ -60,8 +60,7 @@ def _train(ctx, flags: list[str], cache: str, micro: int, **zero) -> dict:
         out["padded"] = store.padded_numel()
         out["blocks"] = sum(u.numel for u in store.units if not u.is_root)
         # the parameters outside the blocks, counted on the model: the chunks' own units hold them (+ padding)
-        out["own_params"] = sum(p.numel() for c in engine.chunks for n, p in c.named_parameters()
-                                if not n.startswith("blocks."))
+        out["own_params"] = outside_blocks(engine.chunks)
     out["state"] = state if ctx.dp_rank == 0 and ctx.tp_rank == 0 else None
     return out
 

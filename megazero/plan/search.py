@@ -142,13 +142,10 @@ def rank_dp_numels(model: ModelConfig, lay: Layout, persistence_threshold: int =
     """(Ψ_r, Ψ_own, r) of the pipeline rank r that moves the most over DP: the most parameters, and of equals the
     fewest of its ZeRO-3 own units (0 where a rank runs several chunks), as :func:`evaluate` counts them for
     :func:`dp_volume`."""
-    best = (0.0, 0.0, 0)
-    for r in range(lay.pp):
-        psi = float(sum(_numels(model, lay.tp, lay.pp, r, lay.chunks, lay.schedule)))
-        own = float(_own_numel(model, lay.tp, lay.pp, r, persistence_threshold)) if lay.chunks == 1 else 0.0
-        if (psi, -own) > (best[0], -best[1]) or r == 0:
-            best = (psi, own, r)
-    return best
+    ranks = [(float(sum(_numels(model, lay.tp, lay.pp, r, lay.chunks, lay.schedule))),
+              float(_own_numel(model, lay.tp, lay.pp, r, persistence_threshold)) if lay.chunks == 1 else 0.0, r)
+             for r in range(lay.pp)]
+    return max(ranks, key=lambda t: (t[0], -t[1]))  # (the first of equals)
 
 
 def own_forward_gathers(lay: Layout, rank: int, micro_batches: int) -> int:

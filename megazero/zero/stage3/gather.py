@@ -35,7 +35,7 @@ chunk's own units (embeddings, final norm, an untied head; 3mΨ where a rank run
 
 **Buffers.** A block unit is gathered into a slot of the store's :class:`~megazero.zero.stage3.slots.SlotPool`
 (a chunk's own units into memory of their own, per use, parked from the end of a forward with a graph to the
-backward that gathers them again where the rank runs one chunk); a backward that has used every unit of its
+pass that takes them back, where the rank runs one chunk: **Carry** above); a backward that has used every unit of its
 chunk drains the pool. :meth:`GatherScheduler.gather_all` (``gathered_parameters()``) allocates instead, so
 holding the whole model once never leaves the pool that large.
 
@@ -220,7 +220,8 @@ class GatherScheduler:
         return [self.secondary.flat] if self.secondary is not None else []
 
     def invalidate(self) -> None:
-        """The primary shards changed (an optimizer step): hpZ's secondary slices are stale until re-stored."""
+        """The primary shards changed (an optimizer step): hpZ's secondary slices are stale until re-stored, and
+        nothing parked is carried any more."""
         if self.secondary is not None:
             self.secondary.invalidate()
         self.carry.clear()

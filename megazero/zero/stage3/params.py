@@ -409,7 +409,7 @@ class Stage3Params:
 
     def after_step(self) -> None:
         """Gathered parameters need nothing (the next forward gathers them); persistent ones are all-gathered."""
-        self.sched.invalidate()  # hpZ's secondary copy is stale until then
+        self.sched.invalidate()  # hpZ's secondary copy is stale until then; the carry ends (gather.py)
         for store in self.persistent:
             if store is not None:
                 store.after_step()
